@@ -1,0 +1,1 @@
+"""Types shared by the control plane and the workers: config, sampling params, the wire protocol."""

@@ -1,0 +1,169 @@
+"""Configuration shared by the control plane and the workers.
+
+Two small objects: `ModelConfig` (the architecture, read from a Hugging Face ``config.json``) and
+`EngineConfig` (everything the ``pagedkv serve`` flags set). Both are msgspec Structs so they travel
+to workers unchanged. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import msgspec
+
+# The embedded default: a small Llama-architecture model with seeded random weights and a
+# byte-level tokenizer (256 byte tokens + <s> + </s>), so `pagedkv serve` runs with nothing
+# downloaded. Its outputs are noise by construction; the log and /v1/models say so.
+EMBEDDED_MODEL_NAME = "pagedkv-embedded-random"
+EMBEDDED_HF_CONFIG: dict = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 32,
+    "vocab_size": 258,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "rope_scaling": None,
+    "tie_word_embeddings": True,
+    "bos_token_id": 256,
+    "eos_token_id": 257,
+    "torch_dtype": "float32",
+}
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1}
+
+
+class ModelConfig(msgspec.Struct, frozen=True):
+    """The architecture numbers of a Llama-family model (HF ``LlamaConfig`` field names).
+
+    ``path`` is the checkpoint directory, or None for the embedded default.
+    ``eos_token_ids`` lists every token that ends generation (HF allows one id or a list).
+    """
+
+    name: str
+    path: str | None
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+    torch_dtype: str
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict, name: str, path: str | None) -> "ModelConfig":
+        """Build from a parsed HF ``config.json``.
+
+        Raises ValueError when the architecture is not Llama-family or a required field is missing.
+        """
+        arch = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
+        if hf.get("model_type", "llama") not in ("llama", "mistral") and "Llama" not in arch:
+            raise ValueError(f"unsupported architecture {arch!r} (model_type {hf.get('model_type')!r}); "
+                             "pagedkv serves Llama-family checkpoints")
+        try:
+            heads = hf["num_attention_heads"]
+            hidden = hf["hidden_size"]
+            eos = hf.get("eos_token_id")
+            return cls(
+                name=name,
+                path=path,
+                hidden_size=hidden,
+                intermediate_size=hf["intermediate_size"],
+                num_hidden_layers=hf["num_hidden_layers"],
+                num_attention_heads=heads,
+                num_key_value_heads=hf.get("num_key_value_heads") or heads,
+                head_dim=hf.get("head_dim") or hidden // heads,
+                vocab_size=hf["vocab_size"],
+                max_position_embeddings=hf.get("max_position_embeddings", 2048),
+                rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+                rope_theta=hf.get("rope_theta", 10000.0),
+                rope_scaling=hf.get("rope_scaling"),
+                tie_word_embeddings=hf.get("tie_word_embeddings", False),
+                bos_token_id=hf.get("bos_token_id"),
+                eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+                torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
+            )
+        except KeyError as e:
+            raise ValueError(f"config.json is missing required field {e.args[0]!r}") from None
+
+    @classmethod
+    def load(cls, path: str | None) -> "ModelConfig":
+        """Read ``PATH/config.json`` (or a config.json file path); None gives the embedded default.
+
+        Raises FileNotFoundError when there is no config.json, ValueError when it is not Llama-family.
+        """
+        if path is None:
+            return cls.from_hf_dict(EMBEDDED_HF_CONFIG, EMBEDDED_MODEL_NAME, None)
+        file = path if path.endswith(".json") else os.path.join(path, "config.json")
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"no config.json at {file!r}: --model must be a Hugging Face checkpoint directory")
+        with open(file) as f:
+            hf = json.load(f)
+        model_dir = os.path.dirname(os.path.abspath(file))
+        return cls.from_hf_dict(hf, os.path.basename(model_dir.rstrip("/")), model_dir)
+
+    def kv_bytes_per_token(self, kv_dtype: str) -> int:
+        """Bytes of K and V state one token occupies across all layers (2 x layers x kv heads x head_dim x dtype)."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * _DTYPE_BYTES[kv_dtype]
+
+    def weight_bytes(self, dtype: str) -> int:
+        """Bytes of the model weights in ``dtype`` (embedding, untied lm_head, attention, MLP, norms)."""
+        h, i, L = self.hidden_size, self.intermediate_size, self.num_hidden_layers
+        q = self.num_attention_heads * self.head_dim
+        kv = self.num_key_value_heads * self.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return (embed + L * per_layer + h) * _DTYPE_BYTES[dtype]
+
+
+class EngineConfig(msgspec.Struct):
+    """Everything `pagedkv serve` is configured with (vLLM flag names and meanings).
+
+    Sizes: ``block_size`` in tokens; ``num_gpu_blocks`` / ``num_cpu_blocks`` in blocks (None: sized
+    from memory); ``cpu_kv_cache_space`` and ``swap_space`` in GiB; ``worker_timeout`` in seconds.
+    """
+
+    model: str | None = None
+    load_format: str = "auto"  # auto | dummy
+    dtype: str = "auto"  # auto | float32 | float16 | bfloat16
+    device: str = "auto"  # auto | cpu | cuda
+    seed: int = 0
+    block_size: int = 16
+    num_gpu_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_space: float = 1.0
+    swap_space: float = 4.0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    max_n: int = 16
+    max_logprobs: int = 20
+    worker_timeout: float = 120.0
+    attention_backend: str | None = None  # None: triton on CUDA, torch on CPU
+
+
+def resolve_max_model_len(model: ModelConfig, requested: int | None) -> int:
+    """The context limit in tokens: the model's ``max_position_embeddings`` unless a smaller one is asked.
+
+    Raises ValueError when ``requested`` exceeds the model's limit or is < 1.
+    """
+    if requested is None:
+        return model.max_position_embeddings
+    if requested < 1 or requested > model.max_position_embeddings:
+        raise ValueError(f"--max-model-len {requested} must be between 1 and the model's "
+                         f"max_position_embeddings ({model.max_position_embeddings})")
+    return requested

@@ -1,0 +1,179 @@
+"""The wire protocol between the control plane and the workers (ZeroMQ + msgspec MessagePack).
+
+The control plane binds a ROUTER socket; each worker connects a DEALER socket. Start-up:
+
+    worker  -> Register(protocol_version, pid)
+    control -> LoadModel(config, rank, world_size)      worker loads weights, profiles memory
+    worker  -> WorkerHello(capacity, bandwidth)
+    control -> InitCache(num_gpu_blocks, num_cpu_blocks) worker allocates the KV pool + swap pool
+    worker  -> WorkerReady
+    then one StepPlan -> StepResult per engine step, until Shutdown.
+
+A `StepPlan` carries deltas, in the style of vLLM V1's SchedulerOutput: a request travels whole
+once (`NewRequestData`), afterwards only its new block ids and token count (`CachedRequestData`).
+The worker mirrors each request (its token ids and block table) and appends the tokens it samples
+itself. A request that is finished, aborted or preempted is listed in ``finished_request_ids`` and
+the worker drops its mirror; a preempted request comes back later as a new request (after a
+recompute with ``num_computed_tokens`` 0, after a swap-in with its computed tokens already in KV).
+
+Block copies and swaps run before the forward pass, in the order swap-out, swap-in, copy.
+No pickles: every message is a tagged msgspec Struct, and a protocol version guards upgrades.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from common.config import EngineConfig
+from common.sampling_params import SamplingParams
+
+PROTOCOL_VERSION = 1
+
+
+class NewRequestData(msgspec.Struct, array_like=True):
+    """A request the worker has not seen (first admission, or resumption after a preemption).
+
+    token_ids: every known token (prompt + generated so far); the first ``num_prompt_tokens`` are
+    the prompt, so the sampler's output index is ``len(token_ids) - num_prompt_tokens``.
+    block_ids: the whole block table (physical device block ids, logical order).
+    num_computed_tokens: tokens whose K/V are already in those blocks (prefix-cache hit or swap-in).
+    num_scheduled_tokens: tokens to compute this step, starting at ``num_computed_tokens``.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    sampling: SamplingParams
+
+
+class CachedRequestData(msgspec.Struct, array_like=True):
+    """A request the worker already mirrors: blocks appended to its table and tokens to compute.
+
+    new_token_ids: tokens the control plane appended that the worker did not sample itself
+    (beam search chooses tokens centrally); empty in ordinary sampling.
+    """
+
+    request_id: str
+    new_block_ids: list[int]
+    num_scheduled_tokens: int
+    new_token_ids: list[int] = []
+
+
+class StepPlan(msgspec.Struct, tag="plan"):
+    """One engine step. Block pairs are (src, dst) physical block ids.
+
+    blocks_to_swap_out: (device_block, host_block); blocks_to_swap_in: (host_block, device_block);
+    blocks_to_copy: (src_device_block, dst_device_block), for copy-on-write.
+    """
+
+    step_id: int
+    new_requests: list[NewRequestData] = []
+    cached_requests: list[CachedRequestData] = []
+    finished_request_ids: list[str] = []
+    blocks_to_swap_out: list[tuple[int, int]] = []
+    blocks_to_swap_in: list[tuple[int, int]] = []
+    blocks_to_copy: list[tuple[int, int]] = []
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(r.num_scheduled_tokens for r in self.new_requests) + sum(
+            r.num_scheduled_tokens for r in self.cached_requests)
+
+
+class SampledToken(msgspec.Struct, array_like=True):
+    """A token sampled for one request; logprob is its log-probability (natural log) when asked.
+
+    top_logprobs: the ``logprobs`` most likely (token_id, logprob) pairs, most likely first.
+    """
+
+    request_id: str
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+class StepResult(msgspec.Struct, tag="result"):
+    """The outcome of one StepPlan: a token for every request whose scheduled tokens reached its end.
+
+    forward_seconds: wall time of swaps, copies, forward and sampling on the worker (seconds).
+    error: set when the step failed; the control plane then fails the requests in flight.
+    """
+
+    step_id: int
+    sampled: list[SampledToken] = []
+    forward_seconds: float = 0.0
+    error: str | None = None
+
+
+class Register(msgspec.Struct, tag="register"):
+    protocol_version: int
+    pid: int
+
+
+class LoadModel(msgspec.Struct, tag="load_model"):
+    config: EngineConfig
+    rank: int = 0
+    world_size: int = 1
+
+
+class WorkerHello(msgspec.Struct, tag="hello"):
+    """What a worker can hold, reported after loading the model and profiling one forward pass.
+
+    kv_bytes_per_block: bytes of one block's K and V across all layers.
+    max_num_gpu_blocks: blocks that fit in the device KV budget (CUDA: free memory x
+    gpu_memory_utilization after profiling; CPU: cpu_kv_cache_space GiB).
+    swap_bandwidth: measured host<->device copy bandwidth in bytes/s (None on CPU: no copy needed
+    beyond memcpy, still measured if possible).
+    """
+
+    rank: int
+    device: str
+    dtype: str
+    kv_bytes_per_block: int
+    max_num_gpu_blocks: int
+    swap_bandwidth: float | None = None
+
+
+class InitCache(msgspec.Struct, tag="init_cache"):
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+
+
+class WorkerReady(msgspec.Struct, tag="ready"):
+    rank: int
+
+
+class WorkerError(msgspec.Struct, tag="error"):
+    """A worker failed outside a step (loading, allocation); ``message`` says why."""
+
+    message: str
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+ToWorker = LoadModel | InitCache | StepPlan | Shutdown
+FromWorker = Register | WorkerHello | WorkerReady | StepResult | WorkerError
+
+_encoder = msgspec.msgpack.Encoder()
+_to_worker = msgspec.msgpack.Decoder(ToWorker)
+_from_worker = msgspec.msgpack.Decoder(FromWorker)
+
+
+def encode(msg: ToWorker | FromWorker) -> bytes:
+    """Serialize one message to MessagePack bytes."""
+    return _encoder.encode(msg)
+
+
+def decode_to_worker(data: bytes) -> ToWorker:
+    """Parse a control-plane message. Raises msgspec.ValidationError/DecodeError on bad input."""
+    return _to_worker.decode(data)
+
+
+def decode_from_worker(data: bytes) -> FromWorker:
+    """Parse a worker message. Raises msgspec.ValidationError/DecodeError on bad input."""
+    return _from_worker.decode(data)

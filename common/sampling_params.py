@@ -1,0 +1,88 @@
+"""Sampling parameters of one request (vLLM's names and meanings).
+
+Validated once in the control plane (`SamplingParams.validate`), then sent to the worker inside the
+step plan. The sampler's randomness is a pure function of (``seed``, output index), so a seeded
+request produces the same tokens alone, batched or after a preemption.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
+    """How to pick each next token and when to stop.
+
+    temperature: 0 means greedy. top_p in (0, 1]; top_k -1 or 0 disables; min_p in [0, 1].
+    repetition_penalty > 0 (1 = off, applies to prompt and output tokens, as in HF/vLLM);
+    presence_penalty and frequency_penalty in [-2, 2] (output tokens only, as OpenAI).
+    max_tokens: output tokens at most. logprobs: None, or how many top alternatives to return
+    with each sampled token's own log-probability (0 = only the sampled token's).
+    stop: strings that end the output (never included); stop_token_ids: token ids that end it
+    (the token is not included in the text). ignore_eos: keep going past the model's EOS.
+    n: completions per prompt; use_beam_search/length_penalty/early_stopping: beam search.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    logprobs: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    n: int = 1
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, max_logprobs: int = 20, max_n: int = 1) -> None:
+        """Raise ValueError("<field>: <why>") for the first invalid field."""
+        def bad(field: str, why: str) -> None:
+            raise ValueError(f"{field}: {why}")
+
+        def finite(field: str, v: float) -> None:
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+                bad(field, f"must be a finite number, got {v!r}")
+
+        for f in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                  "frequency_penalty", "length_penalty"):
+            finite(f, getattr(self, f))
+        if self.temperature < 0:
+            bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            bad("top_k", f"must be -1 (disabled), 0 (disabled) or positive, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if not -2 <= self.presence_penalty <= 2:
+            bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        if not -2 <= self.frequency_penalty <= 2:
+            bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        if self.max_tokens < 1:
+            bad("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
+            bad("logprobs", f"must be between 0 and {max_logprobs}, got {self.logprobs}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            bad("seed", f"must be in [0, 2**63), got {self.seed}")
+        if any(not s for s in self.stop):
+            bad("stop", "stop strings must be non-empty")
+        if self.n < 1 or self.n > max_n:
+            bad("n", f"must be between 1 and {max_n}, got {self.n}")
+        if self.use_beam_search and self.n < 1:
+            bad("n", "beam search needs a beam width n >= 1")

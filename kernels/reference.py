@@ -1,0 +1,117 @@
+"""PyTorch reference implementations: the oracle for the Triton kernels and the CPU path.
+
+Layout (vLLM V1 flash backend): a KV cache is one tensor per layer for K and one for V, each
+``[num_blocks, block_size, num_kv_heads, head_dim]``. Token ``t`` of a sequence lives in physical
+block ``block_table[t // block_size]`` at offset ``t % block_size``; its slot is
+``block_id * block_size + offset`` (PagedAttention, Kwon et al., SOSP 2023, section 4.1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of new query tokens over each sequence's paged context.
+
+    q: ``[num_tokens, num_heads, head_dim]``, the new tokens of all sequences, concatenated.
+    k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, already holding the
+    new tokens' K/V (call `write_kv_cache` first).
+    block_tables: ``[num_seqs, max_blocks_per_seq]`` int32, physical block ids (padding unused).
+    seq_lens: ``[num_seqs]`` int32, each sequence's context length including its new tokens.
+    query_start_loc: ``[num_seqs + 1]`` int32, cumulative new-token counts (q_len_i = diff).
+    New token j of sequence i attends to context positions ``0 .. seq_lens[i] - q_len_i + j``.
+    GQA: num_heads must be a multiple of num_kv_heads; head h reads kv head h // (num_heads // num_kv_heads).
+    Accumulates in fp32; returns ``[num_tokens, num_heads, head_dim]`` in q's dtype (into ``out`` if given).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        q_start, q_end = starts[i], starts[i + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        num_blocks = (seq_len + block_size - 1) // block_size
+        blocks = block_tables[i, :num_blocks].long()
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        k = k.repeat_interleave(group, dim=1)  # [seq_len, num_heads, head_dim]
+        v = v.repeat_interleave(group, dim=1)
+        qi = q[q_start:q_end].float()  # [q_len, num_heads, head_dim]
+        scores = torch.einsum("qhd,khd->hqk", qi, k) * scale
+        # query j sits at absolute position seq_len - q_len + j
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        k_pos = torch.arange(seq_len, device=q.device)
+        mask = k_pos[None, :] > q_pos[:, None]
+        scores.masked_fill_(mask[None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
+    return out
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store new tokens' K and V into their slots, in place.
+
+    key, value: ``[num_tokens, num_kv_heads, head_dim]``; k_cache, v_cache:
+    ``[num_blocks, block_size, num_kv_heads, head_dim]``; slot_mapping: ``[num_tokens]`` int64,
+    slot = block_id * block_size + offset, -1 = skip (padding). Values are cast to the cache dtype.
+    """
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim)[slots] = key[keep].to(k_cache.dtype)
+    v_cache.view(-1, num_kv_heads, head_dim)[slots] = value[keep].to(v_cache.dtype)
+
+
+def copy_blocks(
+    k_caches: list[torch.Tensor],
+    v_caches: list[torch.Tensor],
+    block_mapping: torch.Tensor,
+) -> None:
+    """Copy whole blocks within each layer's caches, in place (copy-on-write).
+
+    k_caches, v_caches: one ``[num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer.
+    block_mapping: ``[n, 2]`` int64 of (src, dst) physical block ids; dst blocks are distinct.
+    """
+    if block_mapping.numel() == 0:
+        return
+    src = block_mapping[:, 0].to(k_caches[0].device)
+    dst = block_mapping[:, 1].to(k_caches[0].device)
+    for k_cache, v_cache in zip(k_caches, v_caches):
+        k_cache[dst] = k_cache[src]
+        v_cache[dst] = v_cache[src]
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """Copy blocks between two pools that may live on different devices (swap preemption).
+
+    src, dst: ``[num_blocks, ...]`` caches of one layer's K or V (device pool and host pool).
+    block_mapping: ``[n, 2]`` int64 of (src block, dst block). On CUDA, with a pinned host pool,
+    the copies are non-blocking on the current stream.
+    """
+    if block_mapping.numel() == 0:
+        return
+    src_ids = block_mapping[:, 0].to(src.device)
+    dst_ids = block_mapping[:, 1].to(dst.device)
+    non_blocking = src.device.type != dst.device.type
+    dst[dst_ids] = src[src_ids].to(dst.device, non_blocking=non_blocking)

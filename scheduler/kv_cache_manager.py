@@ -1,0 +1,165 @@
+"""The KV cache manager: block tables on top of the block pool, with prefix caching.
+
+Each request owns one block table (``request.block_table``, physical block ids in logical order).
+A new block is taken only when the last one is full (PagedAttention, Kwon et al., SOSP 2023, §4.2),
+and every block goes back when the request finishes, is aborted, fails or is preempted.
+
+Prefix caching (the hash-chain design of vLLM's automatic prefix caching): a full block is named by
+a hash chained over (parent block's hash, its token ids, extra keys); the first block's extra keys
+hold the request's ``cache_salt`` so tenants with different salts never share. A request admitted
+with a cached prefix takes those blocks (reference count up) and computes only the rest. Only full
+blocks are cached, and at least one token is always left to compute, so the step has a token to
+sample from. SHA-256 by default: cache contents are secret in a multi-tenant server and a
+collision would serve one tenant's KV to another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+
+from scheduler.block_pool import Block, BlockPool
+from scheduler.request import Request
+
+_encode = msgspec.msgpack.Encoder().encode
+
+
+def _sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+def _xxhash(data: bytes) -> bytes:
+    import xxhash  # optional dependency, only for --prefix-caching-hash-algo xxhash
+
+    return xxhash.xxh3_128_digest(data)
+
+
+HASH_FUNCTIONS = {"sha256": _sha256, "xxhash": _xxhash}
+
+
+def hash_block(hash_fn, parent: bytes | None, token_ids: list[int], extra: tuple = ()) -> bytes:
+    """The prefix-cache name of one full block: hash_fn(msgpack((parent hash, token ids, extra keys)))."""
+    return hash_fn(_encode((parent, token_ids, extra)))
+
+
+class KVCacheManager:
+    """Allocates and frees blocks for requests; owns the device block pool and the prefix cache.
+
+    block_size in tokens; num_gpu_blocks in blocks. `allocate_slots` returns None when the pool
+    cannot hold the step's tokens: the scheduler's signal to preempt or stop admitting.
+    """
+
+    def __init__(self, num_gpu_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 hash_algo: str = "sha256"):
+        if hash_algo not in HASH_FUNCTIONS:
+            raise ValueError(f"prefix caching hash algo must be one of {sorted(HASH_FUNCTIONS)}, got {hash_algo!r}")
+        self.block_size = block_size
+        self.pool = BlockPool(num_gpu_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self._hash_fn = HASH_FUNCTIONS[hash_algo]
+        self._hashes: dict[str, list[bytes]] = {}  # request id -> hashes of its full blocks
+        self.prefix_queries = 0  # tokens looked up (prompt tokens of admitted requests)
+        self.prefix_hits = 0  # of those, tokens found cached
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _block_hashes(self, request: Request) -> list[bytes]:
+        """Hashes of the request's full blocks, extended lazily as its tokens fill blocks."""
+        hashes = self._hashes.setdefault(request.request_id, [])
+        bs = self.block_size
+        while (len(hashes) + 1) * bs <= request.num_tokens:
+            i = len(hashes)
+            extra = (request.cache_salt,) if i == 0 and request.cache_salt else ()
+            hashes.append(hash_block(self._hash_fn, hashes[-1] if hashes else None,
+                                     request.token_ids[i * bs:(i + 1) * bs], extra))
+        return hashes
+
+    def find_cached_prefix(self, request: Request) -> list[Block]:
+        """The longest run of cached blocks matching the request's leading full blocks.
+
+        Covers at most ``num_tokens - 1`` tokens, so one token is always left to compute.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[Block] = []
+        for h in self._block_hashes(request)[: (request.num_tokens - 1) // self.block_size]:
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       cached_blocks: list[Block] | None = None) -> list[int] | None:
+        """Grow the request's block table to hold ``num_new_tokens`` more tokens.
+
+        cached_blocks: a prefix found by `find_cached_prefix` for a request being admitted; they
+        join its table (reference counts up) and advance num_computed_tokens.
+        Returns the ids of the newly allocated blocks (excluding cached ones), or None — with no
+        state changed — when too few blocks are free.
+        """
+        cached_blocks = cached_blocks or []
+        num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
+        num_required = (self.blocks_needed(num_computed + num_new_tokens)
+                        - len(request.block_table) - len(cached_blocks))
+        # cached blocks that sit in the free queue stop being free once touched
+        num_free = self.pool.num_free_blocks - sum(1 for b in cached_blocks if b.ref_cnt == 0)
+        if num_required > num_free:
+            return None
+        if cached_blocks:
+            self.pool.touch(cached_blocks)
+            request.block_table.extend(b.block_id for b in cached_blocks)
+            request.num_computed_tokens = num_computed
+        new_ids = [b.block_id for b in self.pool.allocate(max(num_required, 0))]
+        request.block_table.extend(new_ids)
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(request, num_computed + num_new_tokens)
+        return new_ids
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Name every block that will be full once ``num_tokens`` tokens are computed."""
+        hashes = self._block_hashes(request)
+        for i in range(min(num_tokens // self.block_size, len(hashes))):
+            block = self.pool.blocks[request.block_table[i]]
+            if block.block_hash is None:
+                self.pool.cache(block, hashes[i])
+
+    def record_prefix_query(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_queries += num_prompt_tokens
+        self.prefix_hits += num_hit_tokens
+
+    def free(self, request: Request) -> None:
+        """Give back every block of the request (tail first, for LRU-ish eviction order)."""
+        self.pool.free([self.pool.blocks[b] for b in reversed(request.block_table)])
+        request.block_table = []
+        request.num_computed_tokens = 0
+
+    def forget(self, request: Request) -> None:
+        """Drop per-request bookkeeping once the request is finished for good."""
+        self._hashes.pop(request.request_id, None)
+
+    def snapshot(self) -> dict:
+        """JSON-ready view of the pool: sizes, usage, and the ref count of every referenced block."""
+        return {
+            "block_size": self.block_size,
+            "num_gpu_blocks": self.pool.num_blocks,
+            "num_free_blocks": self.pool.num_free_blocks,
+            "num_cached_free_blocks": self.pool.num_cached_free_blocks,
+            "usage": self.pool.usage,
+            "prefix_caching": self.enable_prefix_caching,
+            "block_ref_counts": {str(b.block_id): b.ref_cnt for b in self.pool.blocks if b.ref_cnt > 0},
+        }

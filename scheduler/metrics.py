@@ -1,0 +1,58 @@
+"""Prometheus metrics of one engine (prometheus-client), named as vLLM's with a ``pagedkv:`` prefix.
+
+Each engine has its own CollectorRegistry, so several engines (tests) never collide; the API
+serves it at ``GET /metrics``. vLLM's ``vllm:kv_cache_usage_perc`` becomes
+``pagedkv:kv_cache_usage_perc`` (a fraction in [0, 1], as vLLM reports it).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+
+
+class Metrics:
+    """The engine's gauges, counters and histograms (units: seconds, tokens, fractions)."""
+
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+        self.kv_cache_usage = Gauge("pagedkv:kv_cache_usage_perc", "Fraction of KV blocks referenced by live requests (0-1).", labels, registry=r)
+        self.num_cached_free_blocks = Gauge("pagedkv:num_cached_free_blocks", "Free KV blocks that still hold a reusable cached prefix.", labels, registry=r)
+        self.num_running = Gauge("pagedkv:num_requests_running", "Requests in the running batch.", labels, registry=r)
+        self.num_waiting = Gauge("pagedkv:num_requests_waiting", "Requests waiting to be admitted.", labels, registry=r)
+        self.num_preemptions = Counter("pagedkv:num_preemptions", "Preemptions of whole requests.", labels + ["mode"], registry=r)
+        self.prompt_tokens = Counter("pagedkv:prompt_tokens", "Prompt tokens of admitted requests.", labels, registry=r)
+        self.generation_tokens = Counter("pagedkv:generation_tokens", "Generated tokens.", labels, registry=r)
+        self.prefix_cache_queries = Counter("pagedkv:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels, registry=r)
+        self.prefix_cache_hits = Counter("pagedkv:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels, registry=r)
+        self.request_success = Counter("pagedkv:request_success", "Finished requests by reason.", labels + ["finished_reason"], registry=r)
+        self.ttft = Histogram("pagedkv:time_to_first_token_seconds", "Time to first token.", labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("pagedkv:inter_token_latency_seconds", "Time between consecutive output tokens.", labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("pagedkv:e2e_request_latency_seconds", "Arrival to finish.", labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.model_name = model_name
+        self._l = {"model_name": model_name}
+
+    def on_step(self, num_running: int, num_waiting: int, kv_usage: float, num_cached_free: int) -> None:
+        self.num_running.labels(**self._l).set(num_running)
+        self.num_waiting.labels(**self._l).set(num_waiting)
+        self.kv_cache_usage.labels(**self._l).set(kv_usage)
+        self.num_cached_free_blocks.labels(**self._l).set(num_cached_free)
+
+    def on_preemption(self, mode: str) -> None:
+        self.num_preemptions.labels(mode=mode, **self._l).inc()
+
+    def on_admitted(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+        self.prompt_tokens.labels(**self._l).inc(num_prompt_tokens)
+        self.prefix_cache_queries.labels(**self._l).inc(num_prompt_tokens)
+        self.prefix_cache_hits.labels(**self._l).inc(num_cached_tokens)
+
+    def on_token(self, first: bool, latency: float) -> None:
+        self.generation_tokens.labels(**self._l).inc()
+        (self.ttft if first else self.itl).labels(**self._l).observe(latency)
+
+    def on_finished(self, reason: str, e2e_seconds: float) -> None:
+        self.request_success.labels(finished_reason=reason, **self._l).inc()
+        self.e2e.labels(**self._l).observe(e2e_seconds)

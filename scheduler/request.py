@@ -1,0 +1,83 @@
+"""Request state in the control plane.
+
+A request carries its own token ids, its block table and one progress counter,
+``num_computed_tokens`` (tokens whose K/V are in the cache). Prefill, chunked prefill, decode,
+prefix-cache hits and recompute preemption all follow from that one counter (as in vLLM V1):
+the tokens to compute next are ``token_ids[num_computed_tokens:]``.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from common.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # not yet admitted, or preempted by recompute and requeued
+    RUNNING = "running"
+    SWAPPED = "swapped"  # preempted by swap: its blocks live in the host pool
+    FINISHED_STOPPED = "finished_stopped"  # EOS, stop token or stop string
+    FINISHED_LENGTH = "finished_length"  # max_tokens or max_model_len
+    FINISHED_ABORTED = "finished_aborted"  # client went away or asked
+    FINISHED_ERROR = "finished_error"  # the worker failed
+
+    @property
+    def finished(self) -> bool:
+        return self.value.startswith("finished")
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {"finished_stopped": "stop", "finished_length": "length",
+                "finished_aborted": "abort", "finished_error": "error"}.get(self.value)
+
+
+class Request:
+    """One sequence being generated.
+
+    block_table: physical device block ids in logical order; ``len(block_table)`` blocks hold
+    ``num_tokens`` token slots at most. num_preemptions counts how often it was preempted.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                 arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)  # prompt + output
+        self.sampling = sampling
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
+        self.block_table: list[int] = []
+        self.in_worker = False  # does the worker mirror this request right now?
+        self.num_preemptions = 0
+        self.error: str | None = None
+        self.first_token_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={self.block_table})")

@@ -1,0 +1,145 @@
+"""The block pool and KV cache manager keep their invariants under any sequence of operations."""
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from common.sampling_params import SamplingParams
+from scheduler.block_pool import BlockPool
+from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.request import Request
+
+NUM_BLOCKS = 12
+BLOCK_SIZE = 4
+
+
+def test_free_queue_hands_out_blocks_in_order_and_takes_them_back_at_the_tail():
+    pool = BlockPool(4)
+    a = pool.allocate(3)
+    assert [b.block_id for b in a] == [0, 1, 2]
+    assert pool.num_free_blocks == 1
+    pool.free([a[2], a[0]])
+    assert [b.block_id for b in pool.free_queue] == [3, 2, 0]
+    assert [b.block_id for b in pool.allocate(3)] == [3, 2, 0]
+    pool.check_invariants([[1, 3, 2, 0]])
+
+
+def test_allocating_more_than_free_raises_and_changes_nothing():
+    pool = BlockPool(2)
+    pool.allocate(1)
+    try:
+        pool.allocate(2)
+    except ValueError as e:
+        assert "2 blocks, 1 free" in str(e)
+    else:
+        raise AssertionError("expected ValueError")
+    assert pool.num_free_blocks == 1
+
+
+def test_a_new_block_only_when_the_last_is_full():
+    kv = KVCacheManager(8, block_size=4, enable_prefix_caching=False)
+    req = Request("r", [1, 2, 3], SamplingParams())
+    assert kv.allocate_slots(req, 3) == [0]
+    req.num_computed_tokens = 3
+    req.token_ids.append(9)
+    assert kv.allocate_slots(req, 1) == []  # slot 3 of block 0 is still free
+    req.num_computed_tokens = 4
+    req.token_ids.append(9)
+    assert kv.allocate_slots(req, 1) == [1]
+    assert req.block_table == [0, 1]
+    kv.free(req)
+    assert kv.num_free_blocks == 8 and req.block_table == []
+
+
+def test_allocation_failure_changes_no_state():
+    kv = KVCacheManager(2, block_size=4)
+    req = Request("r", list(range(9)), SamplingParams())
+    assert kv.allocate_slots(req, 9) is None
+    assert req.block_table == [] and kv.num_free_blocks == 2
+
+
+def test_prefix_hit_shares_full_blocks_and_leaves_one_token_to_compute():
+    kv = KVCacheManager(8, block_size=4)
+    a = Request("a", list(range(8)), SamplingParams())
+    kv.allocate_slots(a, 8)
+    b = Request("b", list(range(8)), SamplingParams())
+    hits = kv.find_cached_prefix(b)
+    assert [h.block_id for h in hits] == [0]  # 8 tokens: at most 7 cached -> one full block
+    assert kv.allocate_slots(b, 4, hits) == [2]
+    assert b.block_table == [0, 2] and b.num_computed_tokens == 4
+    assert kv.pool.blocks[0].ref_cnt == 2
+    kv.pool.check_invariants([a.block_table, b.block_table])
+
+
+def test_cache_salt_separates_tenants():
+    kv = KVCacheManager(8, block_size=4)
+    a = Request("a", list(range(9)), SamplingParams(), cache_salt="tenant-a")
+    kv.allocate_slots(a, 9)
+    other = Request("b", list(range(9)), SamplingParams(), cache_salt="tenant-b")
+    same = Request("c", list(range(9)), SamplingParams(), cache_salt="tenant-a")
+    assert kv.find_cached_prefix(other) == []
+    assert [b.block_id for b in kv.find_cached_prefix(same)] == [0, 1]
+
+
+def test_freed_cached_blocks_are_evicted_least_recently_used_first():
+    kv = KVCacheManager(4, block_size=2)
+    a = Request("a", [1, 2, 3, 4], SamplingParams())
+    kv.allocate_slots(a, 4)  # blocks 0, 1 cached
+    kv.free(a)  # tail first: queue 2, 3, 1, 0
+    assert kv.pool.num_cached_free_blocks == 2
+    b = Request("b", [7, 7, 7, 7, 7, 7], SamplingParams())
+    assert kv.allocate_slots(b, 6) == [2, 3, 1]  # block 1 (a's later block) evicted first
+    assert kv.pool.num_evictions == 1
+    assert kv.find_cached_prefix(Request("c", [1, 2, 3, 4, 5], SamplingParams()))[0].block_id == 0
+
+
+class KVCacheMachine(RuleBasedStateMachine):
+    """Random allocate / append / prefix-hit / preempt / free / evict sequences."""
+
+    def __init__(self):
+        super().__init__()
+        self.kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE)
+        self.live: dict[str, Request] = {}
+        self.n = 0
+
+    @rule(prompt=st.lists(st.integers(0, 3), min_size=1, max_size=20))
+    def admit(self, prompt):
+        req = Request(f"r{self.n}", prompt, SamplingParams())
+        self.n += 1
+        hits = self.kv.find_cached_prefix(req)
+        todo = req.num_tokens - len(hits) * BLOCK_SIZE
+        if self.kv.allocate_slots(req, todo, hits) is not None:
+            req.num_computed_tokens = req.num_tokens
+            self.live[req.request_id] = req
+        else:
+            assert req.block_table == []
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), token=st.integers(0, 3))
+    def append(self, data, token):
+        req = self.live[data.draw(st.sampled_from(sorted(self.live)))]
+        req.token_ids.append(token)
+        before = list(req.block_table)
+        if self.kv.allocate_slots(req, 1) is not None:
+            req.num_computed_tokens += 1
+            assert len(req.block_table) == -(-req.num_tokens // BLOCK_SIZE)
+        else:
+            req.token_ids.pop()
+            assert req.block_table == before
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free_or_preempt(self, data):
+        req = self.live.pop(data.draw(st.sampled_from(sorted(self.live))))
+        self.kv.free(req)
+        self.kv.forget(req)
+
+    @invariant()
+    def pool_is_consistent(self):
+        self.kv.pool.check_invariants([r.block_table for r in self.live.values()])
+        used = sum(-(-r.num_tokens // BLOCK_SIZE) for r in self.live.values())
+        assert used >= NUM_BLOCKS - self.kv.num_free_blocks  # sharing only saves blocks
+
+
+TestKVCacheMachine = KVCacheMachine.TestCase
+TestKVCacheMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

@@ -1,0 +1,117 @@
+"""Scheduler policy: budgets, FCFS admission, chunked prefill, recompute preemption of the newest."""
+
+from common.sampling_params import SamplingParams
+from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.request import Request, RequestStatus
+from scheduler.scheduler import Scheduler
+
+
+def make(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, prefix=False):
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix)
+    return Scheduler(kv, max_num_seqs, max_num_batched_tokens)
+
+
+def run_step(s: Scheduler, token=7):
+    """Schedule one step and play the worker: every request that reaches its end samples `token`."""
+    step = s.schedule()
+    s.advance(step)
+    for rid in step.num_scheduled_tokens:
+        req = s.requests[rid]
+        if req.num_computed_tokens == req.num_tokens:
+            req.token_ids.append(token)
+            if req.num_output_tokens >= req.sampling.max_tokens:
+                s.finish(req, RequestStatus.FINISHED_LENGTH)
+    return step
+
+
+def test_prefill_then_decode_one_token_per_step():
+    s = make()
+    s.add(Request("a", [1] * 10, SamplingParams(max_tokens=3)))
+    step = run_step(s)
+    assert step.num_scheduled_tokens == {"a": 10}
+    assert step.plan.new_requests[0].block_ids == [0, 1, 2]
+    step = run_step(s)
+    assert step.num_scheduled_tokens == {"a": 1}
+    assert step.plan.cached_requests[0].new_block_ids == []  # token 11 fits block 2
+    run_step(s)
+    assert not s.requests and s.kv.num_free_blocks == 64
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_within_the_token_budget():
+    s = make(max_num_batched_tokens=8)
+    s.add(Request("a", list(range(20)), SamplingParams(max_tokens=1)))
+    assert [run_step(s).num_scheduled_tokens["a"] for _ in range(3)] == [8, 8, 4]
+    assert not s.requests
+
+
+def test_decodes_and_prefills_share_a_step_under_the_budget():
+    s = make(max_num_batched_tokens=10)
+    s.add(Request("a", [1] * 4, SamplingParams(max_tokens=5)))
+    run_step(s)
+    s.add(Request("b", [2] * 20, SamplingParams(max_tokens=5)))
+    step = run_step(s)
+    assert step.num_scheduled_tokens == {"a": 1, "b": 9}
+
+
+def test_max_num_seqs_caps_the_running_batch_and_admission_is_fcfs():
+    s = make(max_num_seqs=2)
+    for rid in "abc":
+        s.add(Request(rid, [1, 2], SamplingParams(max_tokens=4)))
+    step = run_step(s)
+    assert list(step.num_scheduled_tokens) == ["a", "b"]
+    assert [r.request_id for r in s.waiting] == ["c"]
+
+
+def test_the_newest_running_request_is_preempted_and_requeued_at_the_head():
+    s = make(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    s.add(Request("old", [1] * 4, SamplingParams(max_tokens=8)))
+    s.add(Request("new", [2] * 4, SamplingParams(max_tokens=8)))
+    run_step(s)  # both prefilled: blocks [0] and [1], one sampled token each
+    run_step(s)  # both need a second block: [2] and [3]
+    assert s.kv.num_free_blocks == 0
+    for _ in range(3):
+        run_step(s)  # both write into their second blocks
+    step = run_step(s)  # 'old' needs a third block: 'new' must go
+    assert [v.request_id for v in step.preempted] == ["new"]
+    new = s.requests["new"]
+    assert new.status == RequestStatus.WAITING and new.block_table == [] and new.num_computed_tokens == 0
+    assert s.waiting[0] is new and new.num_preemptions == 1
+    assert step.plan.finished_request_ids == ["new"]  # the worker drops its mirror in this step
+
+
+def test_a_preempted_request_recomputes_prompt_and_generated_tokens():
+    s = make(num_blocks=3, block_size=4)
+    s.add(Request("a", [1] * 4, SamplingParams(max_tokens=8)))
+    s.add(Request("b", [2] * 4, SamplingParams(max_tokens=3)))
+    outcomes = []
+    for _ in range(40):
+        if not s.requests:
+            break
+        step = run_step(s)
+        outcomes.append(step)
+    resumed = [nr for st in outcomes for nr in st.plan.new_requests if nr.request_id == "b"][1]
+    assert (resumed.token_ids, resumed.num_prompt_tokens) == ([2, 2, 2, 2, 7], 4)
+    assert (resumed.num_computed_tokens, resumed.num_scheduled_tokens) == (0, 5)
+    assert [v.request_id for st in outcomes for v in st.preempted] == ["b"]
+    assert not s.requests and s.kv.num_free_blocks == 3
+
+
+def test_the_running_request_preempts_itself_when_it_is_the_newest():
+    s = make(num_blocks=2, block_size=2, max_num_batched_tokens=64)
+    s.add(Request("a", [1, 1], SamplingParams(max_tokens=4)))
+    s.add(Request("b", [2, 2], SamplingParams(max_tokens=4)))
+    run_step(s)
+    step = run_step(s)  # 'a' needs block 3 of 2: 'b' goes; then 'a' fits
+    assert [v.request_id for v in step.preempted] == ["b"]
+    assert step.num_scheduled_tokens == {"a": 1}
+
+
+def test_prefix_hits_skip_cached_tokens_in_the_prefill():
+    s = make(prefix=True)
+    s.add(Request("a", list(range(10)), SamplingParams(max_tokens=1)))
+    run_step(s)
+    s.add(Request("b", list(range(10)), SamplingParams(max_tokens=1)))
+    step = s.schedule()
+    nr = step.plan.new_requests[0]
+    assert (nr.num_computed_tokens, nr.num_scheduled_tokens) == (8, 2)
+    assert s.requests["b"].num_cached_tokens == 8

@@ -1,0 +1,122 @@
+"""Incremental detokenization with stop strings, for streaming one request's output.
+
+Each new token is decoded inside a short window of the tokens before it (the prefix/read offsets
+of TGI and vLLM), so the cost per token is constant and tokenizers whose pieces depend on their
+neighbours (SentencePiece's leading ``▁``, byte fallback) still produce exactly the text a full
+decode would. Text is released to the client only when it is final:
+
+- a character still being assembled from byte tokens (the decode ends in U+FFFD) is held back;
+- a suffix that could be the start of a stop string is held back until it cannot be;
+- a stop string is matched across token boundaries; on a match the output ends just before it.
+"""
+
+from __future__ import annotations
+
+from scheduler.tokenizer import Tokenizer
+
+# Tokens of the prompt decoded with the first output token, so its spacing is read in context.
+_INITIAL_CONTEXT_TOKENS = 5
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns one request's output token ids into stream-safe text deltas.
+
+    ``append(token_id)`` returns the new text that is safe to send; ``flush()`` releases what is
+    held back once the request ends without a stop string. ``output_text`` is the output so far
+    (every complete character, including text still held back for a possible stop string; after a
+    stop-string match, the text before the match). ``stopped`` is True once a stop string matched;
+    ``stop_reason`` is then that string.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: list[str],
+                 skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._special = tokenizer.special_token_ids if skip_special_tokens else frozenset()
+        # Special tokens are dropped before decoding (as a full decode with skip_special_tokens
+        # does), so the window never starts on an invisible token and loses a leading space.
+        context = [t for t in prompt_token_ids if t not in self._special][-_INITIAL_CONTEXT_TOKENS:]
+        self._ids: list[int] = context
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self._stop = [s for s in stop if s]
+        self._max_stop_len = max((len(s) for s in self._stop), default=0)
+        self.output_text = ""
+        self._sent = 0  # characters of output_text already returned
+        self.stopped = False
+        self.stop_reason: str | None = None
+
+    def append(self, token_id: int) -> str:
+        """Add one output token; return the text that became safe to stream (often "").
+
+        After a stop string matched, further tokens are ignored and return "".
+        """
+        if self.stopped:
+            return ""
+        if token_id not in self._special:
+            self._ids.append(token_id)
+            self.output_text += self._decode_new(final=False)
+        return self._release()
+
+    def flush(self) -> str:
+        """Release everything held back: the request ended (length, EOS, abort) without a stop string.
+
+        An unfinished byte sequence is released as U+FFFD, as a full decode gives it.
+        """
+        if self.stopped:
+            return ""
+        self.output_text += self._decode_new(final=True)
+        released = self._release()  # the completed tail may still finish a stop string
+        return released if self.stopped else released + self._take(len(self.output_text))
+
+    def _decode_new(self, final: bool) -> str:
+        if self._read_offset == len(self._ids):
+            return ""
+        prefix_text = self._tokenizer.decode(self._ids[self._prefix_offset:self._read_offset], self._skip_special)
+        new_text = self._tokenizer.decode(self._ids[self._prefix_offset:], self._skip_special)
+        if not final and (len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR)):
+            return ""  # a character is still being assembled from byte tokens
+        delta = new_text[len(prefix_text):]
+        # The window only ever needs the last complete token as context.
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        if self._prefix_offset > 64:  # keep the id list short on long generations
+            drop = self._prefix_offset
+            del self._ids[:drop]
+            self._prefix_offset -= drop
+            self._read_offset -= drop
+        return delta
+
+    def _release(self) -> str:
+        """Match stop strings in the unsent text; return what can be sent now."""
+        text = self.output_text
+        if not self._stop:
+            return self._take(len(text))
+        # A match can only involve characters not yet sent, or the last max_stop_len - 1 before them.
+        start = max(0, self._sent - self._max_stop_len + 1)
+        best = -1
+        for s in self._stop:
+            i = text.find(s, start)
+            if i != -1 and (best == -1 or i < best):
+                best, self.stop_reason = i, s
+        if best != -1:
+            self.stopped = True
+            self.output_text = text[:best]
+            return self._take(best)
+        return self._take(len(text) - self._held_stop_prefix(text))
+
+    def _held_stop_prefix(self, text: str) -> int:
+        """Length of the longest unsent suffix of ``text`` that begins some stop string."""
+        unsent = len(text) - self._sent
+        for k in range(min(self._max_stop_len - 1, unsent), 0, -1):
+            tail = text[-k:]
+            if any(s.startswith(tail) for s in self._stop):
+                return k
+        return 0
+
+    def _take(self, end: int) -> str:
+        end = max(end, self._sent)
+        out = self.output_text[self._sent:end]
+        self._sent = end
+        return out

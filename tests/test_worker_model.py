@@ -1,0 +1,272 @@
+"""The worker's model runner reproduces the golden greedy output of stories260K however the plan
+splits, batches, places, copies or swaps the request's KV blocks. Driven with StepPlans, no ZMQ."""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+
+import pytest
+import torch
+from conftest import GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS
+from safetensors.torch import load_file, save_file
+
+from common.config import EngineConfig, ModelConfig
+from common.protocol import CachedRequestData, NewRequestData, StepPlan
+from common.sampling_params import SamplingParams
+from worker.cache_engine import CacheEngine
+from worker.model import rope_inv_freq
+from worker.model_loader import load_model
+from worker.model_runner import ModelRunner
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=60)
+CPU = torch.device("cpu")
+
+
+class Driver:
+    """A minimal control plane for tests: hands out blocks from a shuffled free list and builds plans."""
+
+    def __init__(self, model_path, block_size=16, num_blocks=96, num_cpu_blocks=16, seed=0, shuffle=True):
+        cfg = EngineConfig(model=str(model_path), block_size=block_size, seed=seed)
+        self.runner = ModelRunner(cfg, CPU, torch.float32)
+        self.runner.init_cache(num_blocks, num_cpu_blocks)
+        self.bs = block_size
+        self.free = list(range(num_blocks))
+        if shuffle:
+            random.Random(1234).shuffle(self.free)
+        self.reqs: dict[str, dict] = {}
+        self.step_id = 0
+
+    def add(self, rid, token_ids, num_prompt_tokens=None, sampling=GREEDY, blocks=(), num_computed=0):
+        self.reqs[rid] = dict(tokens=list(token_ids), num_prompt=num_prompt_tokens or len(token_ids),
+                              blocks=list(blocks), computed=num_computed, sent=False, sampling=sampling)
+
+    def step(self, schedule: dict[str, int], **plan_fields) -> dict[str, int]:
+        """Schedule ``schedule[rid]`` tokens of each request; return the sampled token per request."""
+        new, cached = [], []
+        for rid, n in schedule.items():
+            r = self.reqs[rid]
+            fresh = [self.free.pop() for _ in range(math.ceil((r["computed"] + n) / self.bs) - len(r["blocks"]))]
+            r["blocks"] += fresh
+            if not r["sent"]:
+                new.append(NewRequestData(rid, r["tokens"], r["num_prompt"], r["blocks"], r["computed"], n,
+                                          r["sampling"]))
+                r["sent"] = True
+            else:
+                cached.append(CachedRequestData(rid, fresh, n))
+            r["computed"] += n
+        result = self.runner.execute(StepPlan(self.step_id, new, cached, **plan_fields))
+        self.step_id += 1
+        assert result.error is None and result.forward_seconds > 0
+        for s in result.sampled:
+            self.reqs[s.request_id]["tokens"].append(s.token_id)
+        return {s.request_id: s.token_id for s in result.sampled}
+
+    def output(self, rid) -> list[int]:
+        r = self.reqs[rid]
+        return r["tokens"][r["num_prompt"]:]
+
+    def decode(self, rids, steps):
+        for _ in range(steps):
+            self.step({rid: 1 for rid in rids})
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_greedy_generation_equals_golden_on_scattered_blocks(stories260k, block_size):
+    d = Driver(stories260k, block_size=block_size)
+    d.add("a", GOLDEN_PROMPT_IDS)
+    assert d.step({"a": 5}) == {"a": 432}
+    d.decode(["a"], 59)
+    assert d.output("a") == GOLDEN_OUTPUT_IDS
+    blocks = d.reqs["a"]["blocks"]
+    assert blocks != sorted(blocks)  # the table really is scattered
+    assert len(blocks) == math.ceil(64 / block_size)
+
+
+@pytest.mark.parametrize("chunks", [[3, 2], [1, 4], [4, 1]])
+def test_chunked_prefill_equals_golden(stories260k, chunks):
+    d = Driver(stories260k, block_size=8)
+    d.add("a", GOLDEN_PROMPT_IDS)
+    assert d.step({"a": chunks[0]}) == {}  # a partial prefill samples nothing
+    assert d.step({"a": chunks[1]}) == {"a": 432}
+    d.decode(["a"], 59)
+    assert d.output("a") == GOLDEN_OUTPUT_IDS
+
+
+def test_prefill_chunk_crossing_block_boundaries_equals_golden(stories260k):
+    # prompt = golden prompt + 20 golden tokens; prefill chunks of 7, 7 and 11 cross 4-token blocks
+    d = Driver(stories260k, block_size=4)
+    d.add("a", GOLDEN_PROMPT_IDS + GOLDEN_OUTPUT_IDS[:20])
+    d.step({"a": 7})
+    d.step({"a": 7})
+    assert d.step({"a": 11}) == {"a": GOLDEN_OUTPUT_IDS[20]}
+    d.decode(["a"], 39)
+    assert d.output("a") == GOLDEN_OUTPUT_IDS[20:]
+
+
+def test_two_requests_batched_with_mixed_prefill_and_decode(stories260k):
+    d = Driver(stories260k, block_size=8)
+    d.add("a", GOLDEN_PROMPT_IDS)
+    d.add("b", GOLDEN_PROMPT_IDS + GOLDEN_OUTPUT_IDS[:7])  # a longer prompt, admitted later
+    d.step({"a": 5})
+    d.step({"a": 1, "b": 6})  # decode of a + first prefill chunk of b
+    assert d.step({"a": 1, "b": 6}) == {"a": GOLDEN_OUTPUT_IDS[2], "b": GOLDEN_OUTPUT_IDS[7]}
+    d.decode(["b", "a"], 40)
+    assert d.output("a") == GOLDEN_OUTPUT_IDS[:43]
+    assert d.output("b") == GOLDEN_OUTPUT_IDS[7:48]
+
+
+def test_resumed_request_reuses_copied_prefix_blocks(stories260k):
+    d = Driver(stories260k, block_size=8)
+    d.add("a", GOLDEN_PROMPT_IDS)
+    d.step({"a": 5})
+    d.decode(["a"], 19)  # 25 tokens known, 24 computed: blocks 0..2 are full
+    src = d.reqs["a"]["blocks"][:3]
+    dst = [d.free.pop() for _ in range(3)]  # never written: all zeros until the copy
+    tokens = d.reqs["a"]["tokens"]
+    d.add("b", tokens, num_prompt_tokens=5, blocks=dst, num_computed=24)
+    # a is dropped and b starts from a's prefix in the same plan; the copy runs before the forward
+    sampled = d.step({"b": 1}, finished_request_ids=["a"], blocks_to_copy=list(zip(src, dst)))
+    assert sampled == {"b": GOLDEN_OUTPUT_IDS[20]}
+    assert "a" not in d.runner.requests
+    d.decode(["b"], 39)
+    assert d.output("b") == GOLDEN_OUTPUT_IDS
+
+
+def test_swapped_out_and_back_in_request_continues_golden(stories260k):
+    d = Driver(stories260k, block_size=8)
+    d.add("a", GOLDEN_PROMPT_IDS)
+    d.step({"a": 5})
+    d.decode(["a"], 14)  # 20 known, 19 computed in 3 blocks
+    old = d.reqs["a"]["blocks"]
+    host = [5, 2, 9]
+    d.runner.execute(StepPlan(d.step_id, finished_request_ids=["a"], blocks_to_swap_out=list(zip(old, host))))
+    d.step_id += 1
+    cache = d.runner.cache
+    for layer in range(len(cache.k_caches)):
+        cache.k_caches[layer][old] = 0.0  # the device copies are gone
+    new = [d.free.pop() for _ in range(3)]
+    d.add("a2", d.reqs["a"]["tokens"], num_prompt_tokens=5, blocks=new, num_computed=19)
+    sampled = d.step({"a2": 1}, blocks_to_swap_in=list(zip(host, new)))
+    assert sampled == {"a2": GOLDEN_OUTPUT_IDS[15]}
+    d.decode(["a2"], 44)
+    assert d.output("a2") == GOLDEN_OUTPUT_IDS
+
+
+def test_copy_blocks_copies_every_layer_k_and_v():
+    config = ModelConfig.load(None)
+    cache = CacheEngine(config, num_gpu_blocks=6, num_cpu_blocks=2, block_size=4, dtype=torch.float32, device=CPU)
+    for layer in range(config.num_hidden_layers):
+        cache.k_caches[layer].copy_(torch.randn_like(cache.k_caches[layer]))
+        cache.v_caches[layer].copy_(torch.randn_like(cache.v_caches[layer]))
+    before_k = [k.clone() for k in cache.k_caches]
+    before_v = [v.clone() for v in cache.v_caches]
+    cache.copy([(1, 4), (3, 0)])
+    for layer in range(config.num_hidden_layers):
+        for src, dst in [(1, 4), (3, 0)]:
+            assert torch.equal(cache.k_caches[layer][dst], before_k[layer][src])
+            assert torch.equal(cache.v_caches[layer][dst], before_v[layer][src])
+        for untouched in (1, 2, 3, 5):
+            assert torch.equal(cache.k_caches[layer][untouched], before_k[layer][untouched])
+
+
+def test_seeded_sampling_is_the_same_alone_batched_and_after_recompute(stories260k):
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=42, max_tokens=20)
+    alone = Driver(stories260k)
+    alone.add("s", GOLDEN_PROMPT_IDS, sampling=seeded)
+    alone.step({"s": 5})
+    alone.decode(["s"], 19)
+
+    batched = Driver(stories260k, seed=7)
+    batched.add("s", GOLDEN_PROMPT_IDS, sampling=seeded)
+    batched.add("x", GOLDEN_PROMPT_IDS, sampling=SamplingParams(temperature=1.0))
+    batched.step({"x": 5})
+    batched.step({"s": 3, "x": 1})
+    batched.step({"x": 1, "s": 2})
+    batched.decode(["x", "s"], 9)
+    # recompute preemption: s restarts as a new request with prompt + generated tokens, nothing cached
+    tokens = batched.reqs["s"]["tokens"]
+    batched.add("s_resumed", tokens, num_prompt_tokens=5, sampling=seeded)
+    batched.step({"s_resumed": len(tokens), "x": 1}, finished_request_ids=["s"])
+    batched.decode(["s_resumed"], 9)
+    assert batched.output("s_resumed") == alone.output("s")
+    assert alone.output("s") != GOLDEN_OUTPUT_IDS[:20]  # it really sampled
+
+
+def test_logprobs_are_raw_log_softmax_with_top_alternatives(stories260k):
+    d = Driver(stories260k)
+    result = d.runner.execute(StepPlan(0, [NewRequestData("a", GOLDEN_PROMPT_IDS, 5, [0], 0, 5,
+                                                          SamplingParams(temperature=0.0, logprobs=3))]))
+    s = result.sampled[0]
+    assert s.token_id == 432
+    assert [t for t, _ in s.top_logprobs] == [432, 383, 322]
+    assert s.logprob == s.top_logprobs[0][1]
+    assert s.logprob == pytest.approx(-0.0317029, abs=1e-5)
+    assert s.top_logprobs[0][1] > s.top_logprobs[1][1] > s.top_logprobs[2][1]
+
+
+def test_embedded_default_has_seeded_dummy_weights():
+    runs = []
+    for seed in (0, 0, 1):
+        d = ModelRunner(EngineConfig(seed=seed), CPU, torch.float32)
+        d.init_cache(8, 0)
+        plan = StepPlan(0, [NewRequestData("r", [256, 72, 105], 3, [1], 0, 3,
+                                           SamplingParams(temperature=0.0, logprobs=5))])
+        runs.append(d.execute(plan).sampled[0].top_logprobs)
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+    assert all(math.isfinite(lp) and lp > -20 for _, lp in runs[0])  # sane logits from 0.02-scale weights
+
+
+def test_loader_names_the_missing_or_mismatching_tensor(stories260k, tmp_path):
+    config = ModelConfig.load(str(stories260k))
+    with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path))):
+        load_model(ModelConfig.from_hf_dict(EMBEDDED_LIKE, "x", str(tmp_path)), EngineConfig(), CPU, torch.float32)
+    tensors = load_file(str(stories260k / "model.safetensors"))
+    broken = dict(tensors)
+    del broken["model.layers.3.mlp.up_proj.weight"]
+    save_file(broken, str(tmp_path / "model.safetensors"))
+    bad = ModelConfig.from_hf_dict(HF_STORIES, "x", str(tmp_path))
+    with pytest.raises(ValueError, match=r"model\.layers\.3\.mlp\.up_proj\.weight"):
+        load_model(bad, EngineConfig(), CPU, torch.float32)
+    broken = dict(tensors, **{"model.norm.weight": torch.ones(65)})
+    save_file(broken, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model\.norm\.weight.*\(65,\)"):
+        load_model(bad, EngineConfig(), CPU, torch.float32)
+    # an untied checkpoint without lm_head falls back to the embedding
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    model = load_model(ModelConfig.from_hf_dict(dict(HF_STORIES, tie_word_embeddings=False), "x", str(tmp_path)),
+                       EngineConfig(), CPU, torch.float32)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert config.tie_word_embeddings
+
+
+def test_llama3_rope_scaling_matches_the_reference_formula():
+    hf = dict(EMBEDDED_LIKE, head_dim=128, rope_theta=500000.0, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192})
+    inv = rope_inv_freq(ModelConfig.from_hf_dict(hf, "x", None))
+    base = 1.0 / (500000.0 ** (torch.arange(0, 128, 2).float() / 128))
+    wavelen = 2 * math.pi / base
+    for i in range(64):
+        w, f = wavelen[i].item(), base[i].item()
+        if w < 8192 / 4:  # high frequencies unchanged
+            expect = f
+        elif w > 8192 / 1:  # low frequencies divided by the factor
+            expect = f / 8
+        else:
+            s = (8192 / w - 1) / (4 - 1)
+            expect = (1 - s) * f / 8 + s * f
+        assert inv[i].item() == pytest.approx(expect, rel=1e-5)
+    assert inv[0].item() == base[0].item() and inv[-1].item() == pytest.approx(base[-1].item() / 8)
+    with pytest.raises(ValueError, match="yarn"):
+        rope_inv_freq(ModelConfig.from_hf_dict(dict(hf, rope_scaling={"rope_type": "yarn", "factor": 4}), "x", None))
+
+
+HF_STORIES = {"hidden_size": 64, "intermediate_size": 172, "num_hidden_layers": 5, "num_attention_heads": 8,
+              "num_key_value_heads": 4, "vocab_size": 512, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
+              "tie_word_embeddings": True}
+EMBEDDED_LIKE = {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 2, "num_attention_heads": 8,
+                 "num_key_value_heads": 4, "vocab_size": 258}

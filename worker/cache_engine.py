@@ -1,0 +1,85 @@
+"""The KV pool on the device and the swap pool on the host (PagedAttention, Kwon et al., SOSP 2023, §4).
+
+Each layer has one K and one V tensor ``[num_blocks, block_size, num_kv_heads, head_dim]`` in the
+device pool, and the same layout with ``num_cpu_blocks`` blocks in the host pool (pinned on CUDA so
+swaps are asynchronous DMA). Which block holds what is decided by the control plane; this class
+only moves bytes when told.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+import kernels
+from common.config import ModelConfig
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block's K and V over all layers: 2 x layers x block_size x kv_heads x head_dim x itemsize."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * itemsize
+
+
+class CacheEngine:
+    """Per-layer device and host KV tensors, with block swaps and copies.
+
+    Raises torch.OutOfMemoryError (or RuntimeError) when the pools do not fit.
+    """
+
+    def __init__(self, config: ModelConfig, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device):
+        shape = (block_size, config.num_key_value_heads, config.head_dim)
+        pin = device.type == "cuda"
+
+        def pool(n: int, dev: torch.device, pin_memory: bool = False) -> list[torch.Tensor]:
+            return [torch.zeros((n, *shape), dtype=dtype, device=dev, pin_memory=pin_memory)
+                    for _ in range(config.num_hidden_layers)]
+
+        self.block_size = block_size
+        self.num_gpu_blocks, self.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
+        self.k_caches, self.v_caches = pool(num_gpu_blocks, device), pool(num_gpu_blocks, device)
+        cpu = torch.device("cpu")
+        self.cpu_k_caches, self.cpu_v_caches = pool(num_cpu_blocks, cpu, pin), pool(num_cpu_blocks, cpu, pin)
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy (device_block, host_block) pairs from the device pool to the host pool."""
+        self._swap(self.k_caches + self.v_caches, self.cpu_k_caches + self.cpu_v_caches, pairs)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy (host_block, device_block) pairs from the host pool to the device pool."""
+        self._swap(self.cpu_k_caches + self.cpu_v_caches, self.k_caches + self.v_caches, pairs)
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy (src_block, dst_block) pairs within the device pool, all layers (copy-on-write)."""
+        if pairs:
+            kernels.copy_blocks(self.k_caches, self.v_caches, torch.tensor(pairs, dtype=torch.int64))
+
+    @staticmethod
+    def _swap(src: list[torch.Tensor], dst: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:
+        if not pairs:
+            return
+        mapping = torch.tensor(pairs, dtype=torch.int64)
+        for s, d in zip(src, dst):
+            kernels.swap_blocks(s, d, mapping)
+
+
+def measure_swap_bandwidth(device: torch.device, num_bytes: int = 32 << 20, repeats: int = 3) -> float:
+    """Host<->device copy bandwidth in bytes/s: the best of ``repeats`` timed round trips of ``num_bytes``.
+
+    On CUDA the host buffer is pinned, as the swap pool is; on CPU both buffers are host memory.
+    """
+    dev = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    host.copy_(dev)  # warm-up (page faults, lazy CUDA init)
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        host.copy_(dev, non_blocking=True)
+        dev.copy_(host, non_blocking=True)
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return 2 * num_bytes / best

@@ -1,0 +1,190 @@
+"""The Llama forward pass over a flat mixed batch, reading and writing a paged KV cache.
+
+Architecture: Llama 2/3 (Touvron et al. 2023; Grattafiori et al. 2024) with Hugging Face
+``LlamaForCausalLM`` parameter names, so a checkpoint's state dict loads by name. Prefill chunks and
+decode tokens of many sequences travel together as one ``[num_tokens]`` batch; attention finds each
+sequence's context through its block table (PagedAttention, Kwon et al., SOSP 2023).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from common.config import ModelConfig
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each new token's K/V goes and what each sequence attends to (see `kernels.reference`).
+
+    slot_mapping: ``[num_tokens]`` int64, block_id * block_size + offset of each new token.
+    block_tables: ``[num_seqs, max_blocks]`` int32. seq_lens: ``[num_seqs]`` int32, context length
+    including the new tokens. query_start_loc: ``[num_seqs + 1]`` int32, cumulative new-token counts.
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """RoPE inverse frequencies ``[head_dim // 2]`` float32 on CPU (Su et al. 2021, RoFormer).
+
+    ``rope_scaling`` of type "llama3" rescales the low and medium frequencies as Meta's Llama 3.1
+    reference and HF's ``_compute_llama3_parameters`` do. Raises ValueError for another scaling
+    type or a llama3 entry missing one of factor / low_freq_factor / high_freq_factor /
+    original_max_position_embeddings.
+    """
+    d = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = config.rope_scaling
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return inv
+    if kind != "llama3":
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: llama3)")
+    try:
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+    except KeyError as e:
+        raise ValueError(f"rope_scaling of type llama3 is missing {e.args[0]!r}") from None
+    wavelen = 2 * math.pi / inv
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)  # long wavelengths: divide
+    smooth = (old_len / wavelen - low) / (high - low)
+    medium = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)  # interpolate in between
+    return torch.where(medium, (1 - smooth) * inv / factor + smooth * inv, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[num_tokens, heads, head_dim]`` by ``cos``/``sin`` ``[num_tokens, head_dim // 2]``.
+
+    HF rotate_half layout: dimension i pairs with i + head_dim/2. Computed in float32, returned in x's dtype.
+    """
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Zhang & Sennrich 2019), in float32 like HF's LlamaRMSNorm."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query attention (Ainslie et al. 2023) over the paged cache."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False, dtype=dtype)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False, dtype=dtype)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False, dtype=dtype)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False, dtype=dtype)
+        self.scale = d ** -0.5
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache):
+        n = x.shape[0]
+        q = apply_rope(self.q_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                    meta.query_start_loc, self.scale)
+        return self.o_proj(o.view(n, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward (Shazeer 2020): down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False, dtype=dtype)
+        self.up_proj = nn.Linear(h, i, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(i, h, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, dtype)
+        self.mlp = LlamaMLP(config, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, x, cos, sin, meta, k_cache, v_cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama decoder + LM head. Build it with `worker.model_loader.load_model` (weights, tying)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        rope_inv_freq(config)  # reject an unsupported rope_scaling at construction, not mid-step
+        self.config = config
+        self.model = LlamaModel(config, dtype)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self._inv_freq: torch.Tensor | None = None
+
+    def tie_weights(self) -> None:
+        """Share the embedding matrix with the LM head (``tie_word_embeddings``)."""
+        self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run every new token through the model; return float32 logits ``[len(logits_indices), vocab]``.
+
+        input_ids, positions: ``[num_tokens]`` int64 (position = the token's index in its sequence).
+        k_caches, v_caches: one ``[num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer;
+        the new tokens' K/V are written into them at ``meta.slot_mapping``.
+        logits_indices: ``[num_sampled]`` int64 rows of the batch to project to the vocabulary
+        (the last scheduled token of each sequence that samples), so the LM head runs only there.
+        """
+        if self._inv_freq is None or self._inv_freq.device != positions.device:
+            self._inv_freq = rope_inv_freq(self.config).to(positions.device)
+        freqs = positions.float()[:, None] * self._inv_freq[None, :]
+        cos, sin = freqs.cos(), freqs.sin()
+        x = self.model.embed_tokens(input_ids)
+        for layer, k_cache, v_cache in zip(self.model.layers, k_caches, v_caches):
+            x = layer(x, cos, sin, meta, k_cache, v_cache)
+        x = self.model.norm(x[logits_indices])
+        return self.lm_head(x).float()

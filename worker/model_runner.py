@@ -1,0 +1,166 @@
+"""Executes step plans: mirrors each request's state, builds the flat batch, runs the model, samples.
+
+The control plane decides everything; the runner applies the plan's deltas (vLLM V1's
+SchedulerOutput style, see `common.protocol`) to its mirror and does the math.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from common.config import EngineConfig, ModelConfig, resolve_max_model_len
+from common.protocol import SampledToken, StepPlan, StepResult
+from common.sampling_params import SamplingParams
+from worker.cache_engine import CacheEngine, kv_bytes_per_block
+from worker.model import AttentionMetadata
+from worker.model_loader import load_model
+from worker.sampler import Sampler
+
+
+@dataclass
+class RequestState:
+    """The worker's mirror of one request: every known token, its block table and its progress."""
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling: SamplingParams
+
+
+class ModelRunner:
+    """Owns the model, the KV pools and the request mirror of one worker.
+
+    Use: ``ModelRunner(engine_config, device, dtype)``, optionally `profile_run`, then
+    `init_cache`, then `execute` once per StepPlan.
+    """
+
+    def __init__(self, engine_config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                 model_config: ModelConfig | None = None):
+        self.engine_config = engine_config
+        self.model_config = model_config or ModelConfig.load(engine_config.model)
+        self.device, self.dtype = device, dtype
+        self.block_size = engine_config.block_size
+        self.model = load_model(self.model_config, engine_config, device, dtype)
+        self.sampler = Sampler(engine_config.seed, device)
+        self.cache: CacheEngine | None = None
+        self.requests: dict[str, RequestState] = {}
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        return kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
+
+    def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        """Allocate the device KV pool and the host swap pool (sizes in blocks)."""
+        self.cache = None  # free an old pool before allocating a new one
+        self.cache = CacheEngine(self.model_config, num_gpu_blocks, num_cpu_blocks, self.block_size,
+                                 self.dtype, self.device)
+
+    @torch.inference_mode()
+    def profile_run(self) -> int:
+        """One forward + sampling of ``max_num_batched_tokens`` tokens, to measure peak memory.
+
+        The tokens form sequences of at most max_model_len; they use a temporary KV cache, freed on
+        return. Returns that cache's size in bytes, so the caller can subtract it from the peak.
+        """
+        total = self.engine_config.max_num_batched_tokens
+        max_len = resolve_max_model_len(self.model_config, self.engine_config.max_model_len)
+        lens = [min(max_len, total - start) for start in range(0, total, max_len)]
+        nblocks = [-(-n // self.block_size) for n in lens]
+        cache = CacheEngine(self.model_config, sum(nblocks), 0, self.block_size, self.dtype, self.device)
+        params = SamplingParams(top_p=0.9, top_k=50, logprobs=self.engine_config.max_logprobs)
+        scheduled, first = [], 0
+        for i, (n, b) in enumerate(zip(lens, nblocks)):
+            state = RequestState(f"profile-{i}", [0] * n, n, list(range(first, first + b)), 0, params)
+            scheduled.append((state, n))
+            first += b
+        self._run(scheduled, cache)
+        return sum(nblocks) * self.kv_bytes_per_block
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Apply one plan and return its sampled tokens.
+
+        Order: drop finished requests, add new ones, apply cached-request deltas, swap out, swap in,
+        copy, forward, sample. Raises ValueError for a plan inconsistent with the mirror (unknown
+        request, tokens scheduled past the known tokens, block table too short) and RuntimeError
+        before `init_cache`. After a raise the mirror of that step's requests is undefined: the
+        control plane fails them and lists them in ``finished_request_ids``.
+        """
+        if self.cache is None:
+            raise RuntimeError("step plan before InitCache: the KV cache is not allocated")
+        start = time.perf_counter()
+        for rid in plan.finished_request_ids:
+            self.requests.pop(rid, None)
+        scheduled: list[tuple[RequestState, int]] = []
+        for new in plan.new_requests:
+            state = RequestState(new.request_id, list(new.token_ids), new.num_prompt_tokens, list(new.block_ids),
+                                 new.num_computed_tokens, new.sampling)
+            self.requests[new.request_id] = state
+            scheduled.append((state, new.num_scheduled_tokens))
+        for cached in plan.cached_requests:
+            state = self.requests.get(cached.request_id)
+            if state is None:
+                raise ValueError(f"cached request {cached.request_id!r} is not known to this worker")
+            state.block_ids.extend(cached.new_block_ids)
+            state.token_ids.extend(cached.new_token_ids)
+            scheduled.append((state, cached.num_scheduled_tokens))
+        self.cache.swap_out(plan.blocks_to_swap_out)
+        self.cache.swap_in(plan.blocks_to_swap_in)
+        self.cache.copy(plan.blocks_to_copy)
+        sampled = self._run([(s, n) for s, n in scheduled if n > 0], self.cache)
+        return StepResult(step_id=plan.step_id, sampled=sampled, forward_seconds=time.perf_counter() - start)
+
+    def _run(self, scheduled: list[tuple[RequestState, int]], cache: CacheEngine) -> list[SampledToken]:
+        """Forward the scheduled tokens of each request, sample where a request's known tokens end."""
+        if not scheduled:
+            return []
+        bs = self.block_size
+        input_ids: list[int] = []
+        starts, lens, tables, sample_rows, samplers = [], [], [], [], []
+        for state, n in scheduled:
+            begin, end = state.num_computed_tokens, state.num_computed_tokens + n
+            if end > len(state.token_ids):
+                raise ValueError(f"request {state.request_id!r}: {n} tokens scheduled from {begin}, "
+                                 f"but only {len(state.token_ids)} tokens are known")
+            if len(state.block_ids) * bs < end:
+                raise ValueError(f"request {state.request_id!r}: {len(state.block_ids)} blocks of {bs} "
+                                 f"cannot hold {end} tokens")
+            input_ids.extend(state.token_ids[begin:end])
+            starts.append(begin)
+            lens.append(n)
+            tables.append(state.block_ids)
+            if end == len(state.token_ids):
+                sample_rows.append(len(input_ids) - 1)
+                samplers.append(state)
+        dev = self.device
+        width = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        q_lens = torch.tensor(lens)
+        seq_idx = torch.repeat_interleave(torch.arange(len(lens)), q_lens)
+        query_start_loc = torch.zeros(len(lens) + 1, dtype=torch.int32)
+        query_start_loc[1:] = q_lens.cumsum(0)
+        positions = torch.arange(len(input_ids)) - query_start_loc[:-1].long()[seq_idx] + torch.tensor(starts)[seq_idx]
+        slot_mapping = block_tables[seq_idx, positions // bs].long() * bs + positions % bs
+        meta = AttentionMetadata(slot_mapping.to(dev), block_tables.to(dev),
+                                 (torch.tensor(starts) + q_lens).to(torch.int32).to(dev), query_start_loc.to(dev))
+        logits = self.model(torch.tensor(input_ids, device=dev), positions.to(dev), meta, cache.k_caches,
+                            cache.v_caches, torch.tensor(sample_rows, dtype=torch.int64, device=dev))
+        for state, n in scheduled:
+            state.num_computed_tokens += n
+        if not samplers:
+            return []
+        out = self.sampler(logits, [s.sampling for s in samplers],
+                           [s.token_ids[:s.num_prompt_tokens] for s in samplers],
+                           [s.token_ids[s.num_prompt_tokens:] for s in samplers])
+        result = []
+        for i, state in enumerate(samplers):
+            token = out.token_ids[i]
+            if not state.sampling.use_beam_search:  # beam search: the control plane picks and sends tokens
+                state.token_ids.append(token)
+            result.append(SampledToken(state.request_id, token, out.logprobs[i], out.top_logprobs[i]))
+        return result

@@ -1,0 +1,164 @@
+"""The worker process: a ZeroMQ DEALER that loads the model, holds the KV pools and executes plans.
+
+Message sequence (see `common.protocol`): Register -> LoadModel -> WorkerHello -> InitCache ->
+WorkerReady -> StepPlan/StepResult ... -> Shutdown. The worker decides nothing; it exits when told,
+when the control plane's socket disconnects, or when the process named by ``PAGEDKV_PARENT_PID`` dies.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import torch
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from common.config import EngineConfig, ModelConfig
+from common.protocol import (PROTOCOL_VERSION, InitCache, LoadModel, Register, Shutdown, StepPlan, StepResult,
+                             WorkerError, WorkerHello, WorkerReady, decode_to_worker, encode)
+from worker.cache_engine import measure_swap_bandwidth
+from worker.model_loader import torch_dtype
+from worker.model_runner import ModelRunner
+
+log = logging.getLogger("pagedkv.worker")
+POLL_MS = 1000  # how often to check that the control plane is still there
+
+
+def select_device(config: EngineConfig, rank: int) -> torch.device:
+    """``auto``: CUDA (GPU ``rank``) when available, else CPU. Raises ValueError for cuda without a GPU."""
+    kind = config.device
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda, but torch sees no CUDA device")
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    if kind != "cpu":
+        raise ValueError(f"--device must be auto, cpu or cuda, got {kind!r}")
+    return torch.device("cpu")
+
+
+def select_dtype(config: EngineConfig, model: ModelConfig, device: torch.device) -> torch.dtype:
+    """``auto``: the checkpoint's torch_dtype on CUDA, float32 on CPU; else the named dtype."""
+    if config.dtype != "auto":
+        return torch_dtype(config.dtype)
+    return torch_dtype(model.torch_dtype) if device.type == "cuda" else torch.float32
+
+
+def max_num_gpu_blocks(runner: ModelRunner) -> int:
+    """Blocks the KV budget holds. CUDA: total x gpu_memory_utilization minus the profiled peak of one
+    ``max_num_batched_tokens`` forward and other processes' use; CPU: cpu_kv_cache_space GiB."""
+    cfg = runner.engine_config
+    if runner.device.type != "cuda":
+        return int(cfg.cpu_kv_cache_space * (1 << 30)) // runner.kv_bytes_per_block
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(runner.device)
+    profile_cache_bytes = runner.profile_run()
+    torch.cuda.synchronize(runner.device)
+    peak = torch.cuda.max_memory_allocated(runner.device) - profile_cache_bytes
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(runner.device)
+    non_torch = total - free - torch.cuda.memory_reserved(runner.device)  # CUDA context, other processes
+    budget = total * cfg.gpu_memory_utilization - peak - non_torch
+    return max(0, int(budget) // runner.kv_bytes_per_block)
+
+
+def load(msg: LoadModel) -> tuple[ModelRunner, WorkerHello]:
+    """Load the model for a LoadModel message and measure what this worker can hold."""
+    cfg = msg.config
+    if msg.world_size != 1:
+        raise ValueError(f"tensor parallelism (world_size {msg.world_size}) is not implemented; use one worker")
+    model_config = ModelConfig.load(cfg.model)
+    device = select_device(cfg, msg.rank)
+    dtype = select_dtype(cfg, model_config, device)
+    runner = ModelRunner(cfg, device, dtype, model_config)
+    hello = WorkerHello(rank=msg.rank, device=str(device), dtype=str(dtype).removeprefix("torch."),
+                        kv_bytes_per_block=runner.kv_bytes_per_block, max_num_gpu_blocks=max_num_gpu_blocks(runner),
+                        swap_bandwidth=measure_swap_bandwidth(device))
+    return runner, hello
+
+
+def _parent_alive(parent_pid: int | None) -> bool:
+    if parent_pid is None:
+        return True
+    try:
+        os.kill(parent_pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    # a dead parent can linger as a zombie; being re-parented away from it tells the truth
+    return os.getppid() == parent_pid or parent_pid != _original_ppid
+
+
+_original_ppid = os.getppid()
+
+
+def run(address: str) -> None:
+    """Serve the control plane at ``address`` (``ipc://...`` or ``tcp://host:port``) until Shutdown.
+
+    Exits the process with status 1 after a failed LoadModel/InitCache (a WorkerError is sent first)
+    and returns when told to shut down or when the control plane is gone.
+    """
+    parent = os.environ.get("PAGEDKV_PARENT_PID")
+    parent_pid = int(parent) if parent else None
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+    sock.connect(address)
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(monitor, zmq.POLLIN)
+    runner: ModelRunner | None = None
+    rank = 0
+    try:
+        sock.send(encode(Register(protocol_version=PROTOCOL_VERSION, pid=os.getpid())))
+        while True:
+            events = dict(poller.poll(POLL_MS))
+            if monitor in events and recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED:
+                log.warning("control plane at %s disconnected; exiting", address)
+                return
+            if not _parent_alive(parent_pid):
+                log.warning("parent process %s is gone; exiting", parent_pid)
+                return
+            if sock not in events:
+                continue
+            msg = decode_to_worker(sock.recv())
+            if isinstance(msg, StepPlan):
+                try:
+                    if runner is None:
+                        raise RuntimeError("step plan before LoadModel")
+                    reply = runner.execute(msg)
+                except Exception as e:  # the step fails, the worker keeps serving
+                    log.exception("step %d failed", msg.step_id)
+                    reply = StepResult(step_id=msg.step_id, error=_one_line(e))
+                sock.send(encode(reply))
+            elif isinstance(msg, (LoadModel, InitCache)):
+                try:
+                    if isinstance(msg, LoadModel):
+                        rank = msg.rank
+                        runner, hello = load(msg)
+                        sock.send(encode(hello))
+                    else:
+                        if runner is None:
+                            raise RuntimeError("InitCache before LoadModel")
+                        runner.init_cache(msg.num_gpu_blocks, msg.num_cpu_blocks)
+                        sock.send(encode(WorkerReady(rank=rank)))
+                except Exception as e:
+                    log.exception("worker start-up failed")
+                    sock.send(encode(WorkerError(message=_one_line(e))))
+                    sys.exit(1)
+            elif isinstance(msg, Shutdown):
+                return
+    finally:
+        sock.disable_monitor()
+        monitor.close(0)
+        sock.close(0)
+        ctx.term()
+
+
+def _one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"

@@ -54,12 +54,15 @@ class CachedRequestData(msgspec.Struct, array_like=True):
 
     new_token_ids: tokens the control plane appended that the worker did not sample itself
     (beam search chooses tokens centrally); empty in ordinary sampling.
+    replaced_block_ids: (logical index, new physical block) pairs, applied before the new blocks
+    are appended: a shared block this request writes next was copied (copy-on-write).
     """
 
     request_id: str
     new_block_ids: list[int]
     num_scheduled_tokens: int
     new_token_ids: list[int] = []
+    replaced_block_ids: list[tuple[int, int]] = []
 
 
 class StepPlan(msgspec.Struct, tag="plan"):

@@ -61,6 +61,8 @@ class KVCacheManager:
         self._hashes: dict[str, list[bytes]] = {}  # request id -> hashes of its full blocks
         self.prefix_queries = 0  # tokens looked up (prompt tokens of admitted requests)
         self.prefix_hits = 0  # of those, tokens found cached
+        self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the next plan
+        self.replaced_blocks: dict[str, list[tuple[int, int]]] = {}  # request id -> (index, new block)
 
     @property
     def num_gpu_blocks(self) -> int:
@@ -109,26 +111,60 @@ class KVCacheManager:
 
         cached_blocks: a prefix found by `find_cached_prefix` for a request being admitted; they
         join its table (reference counts up) and advance num_computed_tokens.
-        Returns the ids of the newly allocated blocks (excluding cached ones), or None — with no
-        state changed — when too few blocks are free.
+        A first write into a shared block copies it first (copy-on-write): the copy is queued in
+        ``pending_copies`` and the table change in ``replaced_blocks``.
+        Returns the ids of the blocks appended to the table (excluding cached ones), or None — with
+        no state changed — when too few blocks are free.
         """
         cached_blocks = cached_blocks or []
         num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
         num_required = (self.blocks_needed(num_computed + num_new_tokens)
                         - len(request.block_table) - len(cached_blocks))
+        cow = self._shared_write_block(request, num_new_tokens)
         # cached blocks that sit in the free queue stop being free once touched
         num_free = self.pool.num_free_blocks - sum(1 for b in cached_blocks if b.ref_cnt == 0)
-        if num_required > num_free:
+        if max(num_required, 0) + (cow is not None) > num_free:
             return None
         if cached_blocks:
             self.pool.touch(cached_blocks)
             request.block_table.extend(b.block_id for b in cached_blocks)
             request.num_computed_tokens = num_computed
+        if cow is not None:  # copy-on-write: this request's next token lands in a shared block
+            index, src = cow
+            dst = self.pool.allocate(1)[0]
+            self.pool.free([src])  # still referenced by the others
+            request.block_table[index] = dst.block_id
+            self.pending_copies.append((src.block_id, dst.block_id))
+            self.replaced_blocks.setdefault(request.request_id, []).append((index, dst.block_id))
         new_ids = [b.block_id for b in self.pool.allocate(max(num_required, 0))]
         request.block_table.extend(new_ids)
         if self.enable_prefix_caching:
             self._cache_full_blocks(request, num_computed + num_new_tokens)
         return new_ids
+
+    def _shared_write_block(self, request: Request, num_new_tokens: int) -> tuple[int, Block] | None:
+        """(table index, block) when the first new token would be written into a shared block."""
+        index = request.num_computed_tokens // self.block_size
+        if num_new_tokens == 0 or index >= len(request.block_table):
+            return None
+        block = self.pool.blocks[request.block_table[index]]
+        return (index, block) if block.ref_cnt > 1 else None
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give ``child`` the parent's block table and progress, sharing every block (ref count up).
+
+        The first write into a shared, partly filled block copies it (`allocate_slots`), so the
+        fork costs no copy until then — and only the block at the fork point is ever copied.
+        """
+        assert not child.block_table, "fork target must own no blocks"
+        self.pool.touch([self.pool.blocks[b] for b in parent.block_table])
+        child.block_table = list(parent.block_table)
+        child.num_computed_tokens = parent.num_computed_tokens
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write (src, dst) pairs queued since the last call; the worker runs them first."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Name every block that will be full once ``num_tokens`` tokens are computed."""
@@ -145,6 +181,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Give back every block of the request (tail first, for LRU-ish eviction order)."""
         self.pool.free([self.pool.blocks[b] for b in reversed(request.block_table)])
+        self.replaced_blocks.pop(request.request_id, None)
         request.block_table = []
         request.num_computed_tokens = 0
 

@@ -74,7 +74,8 @@ class Scheduler:
             num_scheduled[req.request_id] = n
             budget -= n
             if req.in_worker:
-                cached_reqs.append(CachedRequestData(req.request_id, new_blocks, n))
+                replaced = self.kv.replaced_blocks.pop(req.request_id, [])
+                cached_reqs.append(CachedRequestData(req.request_id, new_blocks, n, replaced_block_ids=replaced))
             else:  # resumed after preemption within the running queue (not reachable today)
                 new_reqs.append(self._new_request_data(req, n))
             i += 1
@@ -98,12 +99,14 @@ class Scheduler:
 
         self._step_id += 1
         plan = StepPlan(step_id=self._step_id, new_requests=new_reqs, cached_requests=cached_reqs,
-                        finished_request_ids=self._finished_ids)
+                        finished_request_ids=self._finished_ids,
+                        blocks_to_copy=self.kv.take_pending_copies())
         self._finished_ids = []
         return ScheduledStep(plan, num_scheduled, preempted)
 
     def _new_request_data(self, req: Request, n: int) -> NewRequestData:
         req.in_worker = True
+        self.kv.replaced_blocks.pop(req.request_id, None)  # the worker gets the whole table
         return NewRequestData(req.request_id, list(req.token_ids), req.num_prompt_tokens,
                               list(req.block_table), req.num_computed_tokens, n, req.sampling)
 

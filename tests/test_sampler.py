@@ -1,0 +1,129 @@
+"""The sampler: each knob's exact effect on small hand-made logits, and seeded reproducibility."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.sampling_params import SamplingParams
+from worker.sampler import Sampler, apply_penalties, row_seed, truncated_probs
+
+CPU = torch.device("cpu")
+LOGITS = torch.tensor([[1.0, 3.0, -2.0, 2.5, 0.0, -1.0]])
+
+
+def sample(logits, params, prompts=None, outputs=None, seed=0):
+    n = len(params)
+    return Sampler(seed, CPU)(logits, params, prompts or [[]] * n, outputs or [[]] * n)
+
+
+def test_greedy_is_argmax_and_leaves_the_input_untouched():
+    before = LOGITS.clone()
+    assert sample(LOGITS, [SamplingParams(temperature=0.0)]).token_ids == [1]
+    assert torch.equal(LOGITS, before)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(top_k=1), SamplingParams(top_p=1e-6),
+                                    SamplingParams(min_p=0.99), SamplingParams(temperature=1e-4)])
+def test_truncation_to_one_token_always_gives_the_argmax(params):
+    for seed in range(20):
+        assert sample(LOGITS, [params], seed=seed).token_ids == [1]
+
+
+def test_top_k_keeps_exactly_the_k_largest():
+    probs = truncated_probs(LOGITS, [SamplingParams(top_k=3)])
+    expect = torch.softmax(torch.tensor([1.0, 3.0, -2.0, 2.5, 0.0, -1.0]).masked_fill(
+        torch.tensor([False, False, True, False, True, True]), float("-inf")), -1)
+    assert torch.allclose(probs[0], expect)
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    logits = torch.log(torch.tensor([[0.1, 0.5, 0.25, 0.15]]))
+    # sorted: 0.5, 0.25, 0.15, 0.1; 0.5 + 0.25 = 0.75 >= 0.7, so two tokens stay
+    probs = truncated_probs(logits, [SamplingParams(top_p=0.7)])
+    assert (probs[0] > 0).tolist() == [False, True, True, False]
+    assert torch.allclose(probs[0], torch.tensor([0.0, 2 / 3, 1 / 3, 0.0]))
+    probs = truncated_probs(logits, [SamplingParams(top_p=0.8)])
+    assert (probs[0] > 0).tolist() == [False, True, True, True]
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_top_probability():
+    logits = torch.log(torch.tensor([[0.1, 0.5, 0.25, 0.15]]))
+    probs = truncated_probs(logits, [SamplingParams(min_p=0.3)])  # threshold 0.15
+    assert (probs[0] > 0).tolist() == [False, True, True, True]
+
+
+def test_temperature_divides_logits():
+    probs = truncated_probs(LOGITS, [SamplingParams(temperature=2.0)])
+    assert torch.allclose(probs[0], torch.softmax(LOGITS[0] / 2, -1))
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits():
+    logits = LOGITS.clone()
+    apply_penalties(logits, [SamplingParams(repetition_penalty=2.0)], [[1, 2]], [[1, 4]])
+    # tokens 1 (3.0 -> 1.5), 2 (-2.0 -> -4.0), 4 (0.0 stays 0); 0, 3, 5 unseen
+    assert logits[0].tolist() == [1.0, 1.5, -4.0, 2.5, 0.0, -1.0]
+
+
+def test_presence_and_frequency_penalties_count_output_tokens_only():
+    logits = LOGITS.clone()
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    apply_penalties(logits, [params], [[0, 0, 0]], [[3, 3, 5, 3]])
+    # token 3 seen 3 times: 2.5 - 0.75 - 0.5; token 5 once: -1 - 0.25 - 0.5; prompt token 0 untouched
+    assert logits[0].tolist() == [1.0, 3.0, -2.0, 1.25, 0.0, -1.75]
+
+
+def test_penalties_change_the_greedy_choice():
+    params = SamplingParams(temperature=0.0, repetition_penalty=2.0)
+    assert sample(LOGITS, [params], prompts=[[1]]).token_ids == [3]  # 3.0/2 = 1.5 < 2.5
+
+
+def test_logprobs_are_the_raw_log_softmax_before_penalties_and_temperature():
+    params = SamplingParams(temperature=0.5, top_k=2, repetition_penalty=1.5, logprobs=3, seed=3)
+    out = sample(LOGITS, [params], prompts=[[1]])
+    raw = torch.log_softmax(LOGITS[0], -1)
+    token = out.token_ids[0]
+    assert out.logprobs[0] == pytest.approx(raw[token].item(), abs=1e-6)
+    assert [t for t, _ in out.top_logprobs[0]] == [1, 3, 0]
+    assert [lp for _, lp in out.top_logprobs[0]] == pytest.approx(raw[[1, 3, 0]].tolist(), abs=1e-6)
+
+
+def test_logprobs_zero_returns_only_the_sampled_token_and_none_means_none():
+    out = sample(LOGITS.repeat(2, 1), [SamplingParams(temperature=0.0, logprobs=0), SamplingParams(temperature=0.0)])
+    assert out.top_logprobs == [[], None]
+    assert out.logprobs[0] == pytest.approx(torch.log_softmax(LOGITS[0], -1)[1].item())
+    assert out.logprobs[1] is None
+
+
+def test_seeded_rows_are_identical_alone_and_in_any_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 50)
+    seeded = SamplingParams(temperature=1.0, seed=123)
+    row = logits[2:3]
+    alone = [sample(row, [seeded], outputs=[[0] * i]).token_ids[0] for i in range(30)]
+    for i in range(30):
+        params = [SamplingParams(temperature=0.8), SamplingParams(seed=9), seeded,
+                  SamplingParams(temperature=0.0), SamplingParams(top_p=0.5)]
+        outputs = [[7] * (i + 3), [1] * i, [0] * i, [], [2] * 5]
+        assert sample(logits, params, outputs=outputs, seed=i).token_ids[2] == alone[i]
+    assert len(set(alone)) > 5  # different output indices draw different noise
+
+
+def test_seeded_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([[0.2, 0.5, 0.3]]))
+    params = [SamplingParams(seed=77)]
+    counts = torch.bincount(torch.tensor([sample(logits, params, outputs=[[0] * i]).token_ids[0]
+                                          for i in range(3000)]), minlength=3)
+    assert torch.allclose(counts / 3000, torch.tensor([0.2, 0.5, 0.3]), atol=0.03)
+
+
+def test_unseeded_rows_follow_the_worker_seed():
+    logits = torch.zeros(4, 100)
+    params = [SamplingParams()] * 4
+    assert sample(logits, params, seed=5).token_ids == sample(logits, params, seed=5).token_ids
+    assert sample(logits, params, seed=5).token_ids != sample(logits, params, seed=6).token_ids
+
+
+def test_row_seed_mixes_seed_and_index():
+    seeds = {row_seed(s, i) for s in range(20) for i in range(20)}
+    assert len(seeds) == 400 and all(0 <= x < 2**63 for x in seeds)

@@ -1,0 +1,133 @@
+"""The worker as its own OS process: handshake, a step, errors, and exit paths, against a ROUTER stub."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import zmq
+from conftest import GOLDEN_PROMPT_IDS
+
+from common.config import EngineConfig
+from common.protocol import (PROTOCOL_VERSION, CachedRequestData, InitCache, LoadModel, NewRequestData, Register,
+                             Shutdown, StepPlan, StepResult, WorkerError, WorkerHello, WorkerReady,
+                             decode_from_worker, encode)
+from common.sampling_params import SamplingParams
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT_MS = 60_000
+
+
+class Stub:
+    """The control plane's ROUTER, reduced to send/recv with a deadline."""
+
+    def __init__(self, tmp_path: Path, env: dict | None = None):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.address = f"ipc://{tmp_path}/worker.sock"
+        self.sock.bind(self.address)
+        self.proc = subprocess.Popen([sys.executable, "-m", "worker", "--connect", self.address], cwd=REPO,
+                                     env=dict(os.environ, **(env or {})), stderr=subprocess.PIPE, text=True)
+        self.identity = None
+
+    def recv(self):
+        if not self.sock.poll(TIMEOUT_MS):
+            raise AssertionError(f"worker sent nothing within {TIMEOUT_MS} ms; stderr: {self.stderr()}")
+        self.identity, payload = self.sock.recv_multipart()
+        return decode_from_worker(payload)
+
+    def send(self, msg) -> None:
+        self.sock.send_multipart([self.identity, encode(msg)])
+
+    def stderr(self) -> str:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        return self.proc.communicate()[1]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.sock.close(0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def stub(tmp_path):
+    s = Stub(tmp_path)
+    yield s
+    s.close()
+
+
+def start(stub: Stub, config: EngineConfig) -> WorkerHello:
+    reg = stub.recv()
+    assert isinstance(reg, Register) and reg.protocol_version == PROTOCOL_VERSION and reg.pid == stub.proc.pid
+    stub.send(LoadModel(config=config))
+    hello = stub.recv()
+    assert isinstance(hello, WorkerHello), hello
+    stub.send(InitCache(num_gpu_blocks=16, num_cpu_blocks=4))
+    assert isinstance(stub.recv(), WorkerReady)
+    return hello
+
+
+def test_worker_process_handshake_step_and_shutdown(stub, stories260k):
+    hello = start(stub, EngineConfig(model=str(stories260k), device="cpu", block_size=8, cpu_kv_cache_space=0.01))
+    assert hello.device == "cpu" and hello.dtype == "float32"
+    assert hello.kv_bytes_per_block == 2 * 5 * 8 * 4 * 8 * 4  # 2 x layers x block x kv heads x head_dim x fp32
+    assert hello.max_num_gpu_blocks == int(0.01 * 2**30) // hello.kv_bytes_per_block
+    assert hello.swap_bandwidth > 0
+    greedy = SamplingParams(temperature=0.0, logprobs=1)
+    stub.send(StepPlan(step_id=0, new_requests=[NewRequestData("r", GOLDEN_PROMPT_IDS, 5, [3], 0, 5, greedy)]))
+    result = stub.recv()
+    assert isinstance(result, StepResult) and result.error is None and result.step_id == 0
+    assert [(s.request_id, s.token_id) for s in result.sampled] == [("r", 432)]
+    assert result.sampled[0].top_logprobs[0][0] == 432
+    stub.send(Shutdown())
+    assert stub.proc.wait(timeout=30) == 0
+
+
+def test_a_failed_step_reports_an_error_and_the_worker_keeps_serving(stub, stories260k):
+    start(stub, EngineConfig(model=str(stories260k), device="cpu"))
+    stub.send(StepPlan(step_id=4, cached_requests=[CachedRequestData("ghost", [], 1)]))
+    result = stub.recv()
+    assert result.step_id == 4 and result.sampled == []
+    assert result.error == "ValueError: cached request 'ghost' is not known to this worker"
+    greedy = SamplingParams(temperature=0.0)
+    stub.send(StepPlan(step_id=5, new_requests=[NewRequestData("r", GOLDEN_PROMPT_IDS, 5, [0], 0, 5, greedy)]))
+    assert stub.recv().sampled[0].token_id == 432
+    stub.send(Shutdown())
+    assert stub.proc.wait(timeout=30) == 0
+
+
+def test_a_failed_load_sends_worker_error_and_exits_nonzero(stub, tmp_path):
+    assert isinstance(stub.recv(), Register)
+    stub.send(LoadModel(config=EngineConfig(model=str(tmp_path / "nowhere"), device="cpu")))
+    err = stub.recv()
+    assert isinstance(err, WorkerError)
+    assert err.message.startswith("FileNotFoundError: no config.json at") and "nowhere" in err.message
+    assert stub.proc.wait(timeout=30) == 1
+
+
+def test_worker_exits_when_the_control_plane_socket_closes(stub):
+    assert isinstance(stub.recv(), Register)
+    stub.sock.close(0)
+    assert stub.proc.wait(timeout=30) == 0
+
+
+def test_worker_exits_when_its_parent_process_is_gone(tmp_path):
+    parent = subprocess.Popen([sys.executable, "-c", "pass"])
+    parent.wait()
+    s = Stub(tmp_path, env={"PAGEDKV_PARENT_PID": str(parent.pid)})
+    try:
+        assert s.proc.wait(timeout=30) == 0
+    finally:
+        s.close()
+
+
+def test_missing_connect_flag_is_named():
+    proc = subprocess.run([sys.executable, "-m", "worker"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--connect" in proc.stderr

@@ -1,0 +1,145 @@
+"""KV-cache writes and block copies in Triton.
+
+Same signatures and semantics as `kernels.reference.write_kv_cache` and
+`kernels.reference.copy_blocks` (layout ``[num_blocks, block_size, num_kv_heads, head_dim]``,
+slot = block_id * block_size + offset; PagedAttention, Kwon et al. 2023, section 4.1 and 4.4).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+_COPY_CHUNK = 2048  # elements per copy program: ~4-8 KiB, enough bytes in flight per SM
+
+
+@triton.jit
+def _write_kv_cache_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_kcb, stride_kct, stride_kch, stride_kcd,
+    stride_vcb, stride_vct, stride_vch, stride_vcd,
+    NUM_KV_HEADS: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    """One program: all KV heads of one token."""
+    tok = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
+    if slot < 0:
+        return  # padding token
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    offs_h = tl.arange(0, KV_HEADS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    mask = (offs_h < NUM_KV_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    tok64 = tok.to(tl.int64)
+    k = tl.load(key_ptr + tok64 * stride_kt + offs_h[:, None] * stride_kh
+                + offs_d[None, :] * stride_kd, mask=mask)
+    v = tl.load(value_ptr + tok64 * stride_vt + offs_h[:, None] * stride_vh
+                + offs_d[None, :] * stride_vd, mask=mask)
+    tl.store(k_cache_ptr + blk * stride_kcb + off * stride_kct + offs_h[:, None] * stride_kch
+             + offs_d[None, :] * stride_kcd, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + blk * stride_vcb + off * stride_vct + offs_h[:, None] * stride_vch
+             + offs_d[None, :] * stride_vcd, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store new tokens' K and V into their slots, in place (Triton).
+
+    key, value: ``[num_tokens, num_kv_heads, head_dim]``, any strides (e.g. views of a fused QKV
+    projection); k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``;
+    slot_mapping: ``[num_tokens]`` int64 (int32 accepted), slot = block_id * block_size + offset,
+    -1 = skip (padding). Values are cast to the cache dtype (round to nearest even on GPU).
+    Slots must be distinct. Raises ValueError on inconsistent shapes or devices.
+    """
+    if key.dim() != 3 or key.shape != value.shape:
+        raise ValueError(f"key and value must both be [num_tokens, num_kv_heads, head_dim]; "
+                         f"got {tuple(key.shape)} and {tuple(value.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, "
+                         f"head_dim]; got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if key.shape[1:] != k_cache.shape[2:]:
+        raise ValueError(f"key heads/head_dim {tuple(key.shape[1:])} != cache "
+                         f"{tuple(k_cache.shape[2:])}")
+    if slot_mapping.shape != (key.shape[0],) or slot_mapping.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"slot_mapping must be [num_tokens={key.shape[0]}] int64, got "
+                         f"{tuple(slot_mapping.shape)} {slot_mapping.dtype}")
+    for name, t in (("value", value), ("k_cache", k_cache), ("v_cache", v_cache),
+                    ("slot_mapping", slot_mapping)):
+        if t.device != key.device:
+            raise ValueError(f"{name} is on {t.device}, key on {key.device}")
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    _write_kv_cache_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
+        NUM_KV_HEADS=num_kv_heads, KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=k_cache.shape[1], num_warps=4)
+
+
+@triton.jit
+def _copy_blocks_kernel(cache_ptrs, block_mapping_ptr, block_stride,
+                        BLOCK_NUMEL: tl.constexpr, CHUNK: tl.constexpr, DTYPE: tl.constexpr):
+    """One program: one chunk of one (src, dst) pair in one cache (a layer's K or V)."""
+    cache = tl.load(cache_ptrs + tl.program_id(0)).to(tl.pointer_type(DTYPE))
+    pair = tl.program_id(1)
+    src = tl.load(block_mapping_ptr + 2 * pair)
+    dst = tl.load(block_mapping_ptr + 2 * pair + 1)
+    offs = tl.program_id(2) * CHUNK + tl.arange(0, CHUNK)
+    mask = offs < BLOCK_NUMEL
+    x = tl.load(cache + src * block_stride + offs, mask=mask)
+    tl.store(cache + dst * block_stride + offs, x, mask=mask)
+
+
+def copy_blocks(
+    k_caches: list[torch.Tensor],
+    v_caches: list[torch.Tensor],
+    block_mapping: torch.Tensor,
+) -> None:
+    """Copy whole blocks within each layer's caches, in place (copy-on-write), in one launch.
+
+    k_caches, v_caches: one ``[num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer,
+    all of one shape, dtype, device and strides, each block's contents contiguous.
+    block_mapping: ``[n, 2]`` int64 of (src, dst) physical block ids (moved to the caches' device
+    if needed); dst blocks are distinct and no dst is also a src (copies run in parallel).
+    Raises ValueError on inconsistent caches or a malformed mapping.
+    """
+    if len(k_caches) != len(v_caches) or not k_caches:
+        raise ValueError(f"need one k and one v cache per layer, got {len(k_caches)} and "
+                         f"{len(v_caches)}")
+    if block_mapping.dim() != 2 or block_mapping.shape[1] != 2:
+        raise ValueError(f"block_mapping must be [n, 2], got {tuple(block_mapping.shape)}")
+    if block_mapping.numel() == 0:
+        return
+    first = k_caches[0]
+    caches = list(k_caches) + list(v_caches)
+    for t in caches:
+        if (t.shape != first.shape or t.dtype != first.dtype or t.device != first.device
+                or t.stride() != first.stride()):
+            raise ValueError("all caches must share shape, dtype, device and strides; got "
+                             f"{tuple(t.shape)} {t.dtype} {t.device} {t.stride()} vs "
+                             f"{tuple(first.shape)} {first.dtype} {first.device} {first.stride()}")
+    if first.dim() != 4 or not first[0].is_contiguous():
+        raise ValueError("caches must be [num_blocks, block_size, num_kv_heads, head_dim] with "
+                         "each block contiguous")
+    if first.dtype not in _TL_DTYPES:
+        raise ValueError(f"cache dtype {first.dtype} is not one of fp32, fp16, bf16")
+    device = first.device
+    mapping = block_mapping.to(device=device, dtype=torch.int64).contiguous()
+    # Per-cache base addresses: one launch covers every layer's K and V.
+    cache_ptrs = torch.tensor([t.data_ptr() for t in caches], dtype=torch.int64, device=device)
+    block_numel = first[0].numel()
+    grid = (len(caches), mapping.shape[0], triton.cdiv(block_numel, _COPY_CHUNK))
+    _copy_blocks_kernel[grid](cache_ptrs, mapping, first.stride(0), BLOCK_NUMEL=block_numel,
+                              CHUNK=_COPY_CHUNK, DTYPE=_TL_DTYPES[first.dtype], num_warps=4)

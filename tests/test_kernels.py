@@ -1,0 +1,253 @@
+"""The Triton kernels agree with the PyTorch reference (`kernels.reference`), run interpreted on CPU.
+
+TRITON_INTERPRET=1 must be in place when the kernel modules are imported (``@triton.jit`` reads it
+then) and while they first run (triton imports more modules lazily), so this module sets it at
+import and restores the previous environment when its tests are done.
+
+Tolerances (max abs difference against the fp32 reference on the same rounded inputs, outputs of
+magnitude ~1): fp32 2e-5 (summation order only); fp16 2e-3 and bf16 2e-2, i.e. about two units in
+the last place of the output dtype (the interpreter rounds bf16 by truncation; on a GPU the
+probabilities are also rounded to the cache dtype before P @ V, as in FlashAttention-2).
+Cache writes and block copies are exact.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from kernels import reference
+
+_saved_interpret = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"
+triton_kernels = pytest.importorskip("kernels.triton_kernels")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _restore_interpret_env():
+    os.environ["TRITON_INTERPRET"] = "1"
+    yield
+    if _saved_interpret is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _saved_interpret
+
+
+ATOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def make_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
+    """Random q and caches with scattered block tables; returns the paged_attention arguments.
+
+    Physical blocks are a random permutation of the pool (with spare blocks), and block-table
+    columns beyond a sequence's blocks hold -1, which the kernels must never dereference.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 7
+    perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    block_tables = torch.full((len(seq_lens), max(blocks_per_seq)), -1, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(blocks_per_seq):
+        block_tables[i, :n] = perm[used:used + n]
+        used += n
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(dtype)
+    query_start_loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return (q, k_cache, v_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32),
+            query_start_loc, head_dim ** -0.5)
+
+
+def assert_attention_matches(args, dtype, out=None):
+    expected = reference.paged_attention(*args)
+    got = triton_kernels.paged_attention(*args, out=out)
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    torch.testing.assert_close(got.float(), expected.float(), atol=ATOL[dtype], rtol=0)
+    return got
+
+
+# --- paged_attention -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_decode_matches_reference_at_block_boundaries(block_size):
+    """q_len 1 at contexts 1, bs-1, bs, bs+1 and a long random one (split across partitions)."""
+    rng = random.Random(block_size)
+    seq_lens = [1, block_size - 1, block_size, block_size + 1, rng.randint(300, 1000)]
+    args = make_batch([1] * len(seq_lens), seq_lens, num_heads=4, num_kv_heads=2, head_dim=64,
+                      block_size=block_size, dtype=torch.float32, seed=block_size)
+    assert_attention_matches(args, torch.float32)
+
+
+def test_long_decode_split_into_many_partitions_matches_reference():
+    """One sequence, one KV head: the split-K path uses many partitions and the reduce kernel."""
+    args = make_batch([1], [1000], num_heads=1, num_kv_heads=1, head_dim=64, block_size=16,
+                      dtype=torch.float32, seed=1)
+    assert_attention_matches(args, torch.float32)
+
+
+MIXED_CASES = [
+    # (dtype, num_heads, num_kv_heads, head_dim, block_size): GQA ratios 1, 2, 4, 8
+    (torch.float32, 2, 2, 8, 16),
+    (torch.float16, 4, 2, 64, 8),
+    (torch.bfloat16, 8, 2, 128, 32),
+    (torch.float16, 8, 1, 8, 64),
+    (torch.bfloat16, 4, 4, 64, 16),
+    (torch.float32, 8, 1, 128, 16),
+    (torch.float16, 6, 2, 64, 16),  # a group of 3: padded head rows are masked
+]
+
+
+@pytest.mark.parametrize("dtype,num_heads,num_kv_heads,head_dim,block_size", MIXED_CASES)
+def test_mixed_decode_prefill_extend_batch_matches_reference(dtype, num_heads, num_kv_heads,
+                                                             head_dim, block_size):
+    """One call: decodes, a fresh prefill, extends of a cached prefix, over block boundaries."""
+    rng = random.Random(head_dim * 1000 + block_size)
+    bs = block_size
+    q_lens = [1, 37, 1, 5, 1, 2 * bs + 3, 9]
+    ctx_before = [rng.randint(1, 1000), 0, bs - 1, bs, 0, bs + 1, rng.randint(100, 300)]
+    seq_lens = [c + q for c, q in zip(ctx_before, q_lens)]
+    args = make_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
+                      seed=rng.randint(0, 10**6))
+    assert_attention_matches(args, dtype)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_mixed_batches_match_reference(seed):
+    """Random shapes, dtypes, GQA ratios and a random mix of decodes, prefills and extends."""
+    rng = random.Random(seed)
+    dtype = rng.choice(list(ATOL))
+    num_kv_heads = rng.choice([1, 2])
+    num_heads = num_kv_heads * rng.choice([1, 2, 4, 8])
+    head_dim = rng.choice([8, 64, 128])
+    block_size = rng.choice([8, 16, 32, 64])
+    q_lens, seq_lens = [], []
+    for _ in range(rng.randint(1, 5)):
+        q_len = rng.choice([1, 1, rng.randint(2, 40)])
+        q_lens.append(q_len)
+        seq_lens.append(q_len + rng.choice([0, rng.randint(1, 1000 - q_len)]))
+    args = make_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
+                      seed=seed)
+    assert_attention_matches(args, dtype)
+
+
+def test_head_dim_256_block_128_matches_reference():
+    args = make_batch([1, 20, 3], [300, 20, 131], num_heads=4, num_kv_heads=2, head_dim=256,
+                      block_size=128, dtype=torch.bfloat16, seed=3)
+    assert_attention_matches(args, torch.bfloat16)
+
+
+def test_prefill_longer_than_one_query_tile_matches_reference():
+    """A 300-token prompt spans several query tiles; each sees exactly its causal prefix."""
+    args = make_batch([300, 1], [300, 40], num_heads=2, num_kv_heads=1, head_dim=64,
+                      block_size=16, dtype=torch.float16, seed=4)
+    assert_attention_matches(args, torch.float16)
+
+
+def test_strided_q_and_out_buffer_are_honoured():
+    """q as a view of a fused QKV projection; the result lands in the given fp32 `out`."""
+    q, k_cache, v_cache, block_tables, seq_lens, qsl, scale = make_batch(
+        [1, 6], [17, 40], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+        dtype=torch.float16, seed=5)
+    qkv = torch.randn(q.shape[0], 8, 64).to(torch.float16)
+    qkv[:, :4] = q
+    q_view = qkv[:, :4]
+    out = torch.full(q.shape, float("nan"))
+    args = (q_view, k_cache, v_cache, block_tables, seq_lens, qsl, scale)
+    got = triton_kernels.paged_attention(*args, out=out)
+    assert got is out
+    expected = reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, qsl, scale)
+    torch.testing.assert_close(out, expected.float(), atol=ATOL[torch.float16], rtol=0)
+
+
+def test_sequence_with_no_new_tokens_writes_nothing():
+    q, k_cache, v_cache, block_tables, seq_lens, _, scale = make_batch(
+        [1, 3], [20, 30], num_heads=2, num_kv_heads=2, head_dim=8, block_size=8,
+        dtype=torch.float32, seed=6)
+    # Three sequences, the middle one scheduled zero tokens this step.
+    block_tables = torch.cat([block_tables[:1], block_tables[:1], block_tables[1:]])
+    seq_lens = torch.tensor([20, 20, 30], dtype=torch.int32)
+    qsl = torch.tensor([0, 1, 1, 4], dtype=torch.int32)
+    assert_attention_matches((q, k_cache, v_cache, block_tables, seq_lens, qsl, scale),
+                             torch.float32)
+
+
+def test_inconsistent_attention_inputs_raise_value_error():
+    q, k_cache, v_cache, block_tables, seq_lens, qsl, scale = make_batch(
+        [1], [5], num_heads=3, num_kv_heads=3, head_dim=8, block_size=8, dtype=torch.float32)
+    with pytest.raises(ValueError, match="multiple"):
+        triton_kernels.paged_attention(q[:, :2], k_cache[:, :, :], v_cache, block_tables,
+                                       seq_lens, qsl, scale)
+    with pytest.raises(ValueError, match="int32"):
+        triton_kernels.paged_attention(q, k_cache, v_cache, block_tables.float(), seq_lens, qsl,
+                                       scale)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        triton_kernels.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, qsl[:1], scale)
+
+
+# --- write_kv_cache ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_write_kv_cache_stores_exactly_and_skips_padding_slots(dtype):
+    gen = torch.Generator().manual_seed(7)
+    num_blocks, block_size, num_kv_heads, head_dim = 6, 16, 2, 64
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(cache_shape, generator=gen).to(dtype)
+    v_cache = torch.randn(cache_shape, generator=gen).to(dtype)
+    # key/value as strided views of a fused projection; tokens 2 and 5 are padding.
+    kv = torch.randn(7, 2 * num_kv_heads + 1, head_dim, generator=gen).to(dtype)
+    key, value = kv[:, :num_kv_heads], kv[:, num_kv_heads + 1:]
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:7]
+    slots[2] = slots[5] = -1
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    reference.write_kv_cache(key, value, expected_k, expected_v, slots)
+    triton_kernels.write_kv_cache(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+def test_write_kv_cache_casts_fp32_values_to_fp16_cache_exactly():
+    key = torch.randn(5, 2, 8)
+    value = torch.randn(5, 2, 8)
+    k_cache = torch.zeros(2, 8, 2, 8, dtype=torch.float16)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([0, 9, -1, 15, 3])
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    reference.write_kv_cache(key, value, expected_k, expected_v, slots)
+    triton_kernels.write_kv_cache(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+def test_write_kv_cache_rejects_mismatched_slot_mapping():
+    key = torch.zeros(3, 2, 8)
+    cache = torch.zeros(2, 8, 2, 8)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        triton_kernels.write_kv_cache(key, key, cache, cache, torch.tensor([0, 1]))
+
+
+# --- copy_blocks ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_copy_blocks_copies_every_layer_exactly_and_nothing_else(dtype):
+    gen = torch.Generator().manual_seed(8)
+    shape = (10, 16, 2, 64)  # 2048 elements per block: also exercises several copy chunks
+    k_caches = [torch.randn(shape, generator=gen).to(dtype) for _ in range(3)]
+    v_caches = [torch.randn(shape, generator=gen).to(dtype) for _ in range(3)]
+    mapping = torch.tensor([[0, 7], [3, 4], [0, 9]], dtype=torch.int64)
+    expected_k = [t.clone() for t in k_caches]
+    expected_v = [t.clone() for t in v_caches]
+    reference.copy_blocks(expected_k, expected_v, mapping)
+    triton_kernels.copy_blocks(k_caches, v_caches, mapping)
+    for got, want in zip(k_caches + v_caches, expected_k + expected_v):
+        assert torch.equal(got, want)
+
+
+def test_copy_blocks_with_empty_mapping_changes_nothing():
+    k = [torch.randn(4, 8, 1, 8)]
+    v = [torch.randn(4, 8, 1, 8)]
+    before = (k[0].clone(), v[0].clone())
+    triton_kernels.copy_blocks(k, v, torch.empty(0, 2, dtype=torch.int64))
+    assert torch.equal(k[0], before[0]) and torch.equal(v[0], before[1])

@@ -270,3 +270,18 @@ HF_STORIES = {"hidden_size": 64, "intermediate_size": 172, "num_hidden_layers": 
               "tie_word_embeddings": True}
 EMBEDDED_LIKE = {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 2, "num_attention_heads": 8,
                  "num_key_value_heads": 4, "vocab_size": 258}
+
+
+def test_profile_run_uses_a_temporary_cache_and_leaves_no_state(stories260k):
+    cfg = EngineConfig(model=str(stories260k), block_size=16, max_num_batched_tokens=700, max_model_len=512)
+    runner = ModelRunner(cfg, CPU, torch.float32)
+    assert runner.profile_run() == (32 + 12) * runner.kv_bytes_per_block  # sequences of 512 and 188 tokens
+    assert runner.requests == {} and runner.cache is None
+
+
+def test_bfloat16_weights_and_cache_still_pick_the_golden_first_token(stories260k):
+    runner = ModelRunner(EngineConfig(model=str(stories260k)), CPU, torch.bfloat16)
+    runner.init_cache(4, 0)
+    assert runner.cache.k_caches[0].dtype == torch.bfloat16
+    plan = StepPlan(0, [NewRequestData("a", GOLDEN_PROMPT_IDS, 5, [2], 0, 5, GREEDY)])
+    assert runner.execute(plan).sampled[0].token_id == 432

@@ -79,6 +79,7 @@ class ModelRunner:
             scheduled.append((state, n))
             first += b
         self._run(scheduled, cache)
+        self.sampler = Sampler(self.engine_config.seed, self.device)  # unseeded draws start as if unprofiled
         return sum(nblocks) * self.kv_bytes_per_block
 
     @torch.inference_mode()

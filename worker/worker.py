@@ -113,7 +113,7 @@ def run(address: str) -> None:
     poller.register(sock, zmq.POLLIN)
     poller.register(monitor, zmq.POLLIN)
     runner: ModelRunner | None = None
-    rank = 0
+    rank, linger_ms = 0, 0
     try:
         sock.send(encode(Register(protocol_version=PROTOCOL_VERSION, pid=os.getpid())))
         while True:
@@ -150,13 +150,14 @@ def run(address: str) -> None:
                 except Exception as e:
                     log.exception("worker start-up failed")
                     sock.send(encode(WorkerError(message=_one_line(e))))
+                    linger_ms = 2000  # let the error reach the control plane before the socket closes
                     sys.exit(1)
             elif isinstance(msg, Shutdown):
                 return
     finally:
         sock.disable_monitor()
         monitor.close(0)
-        sock.close(0)
+        sock.close(linger_ms)
         ctx.term()
 
 

@@ -107,11 +107,10 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
 
     src, dst: ``[num_blocks, ...]`` caches of one layer's K or V (device pool and host pool).
     block_mapping: ``[n, 2]`` int64 of (src block, dst block). On CUDA, with a pinned host pool,
-    the copies are non-blocking on the current stream.
+    the copies are non-blocking on the current stream. One copy per block, straight into the
+    destination view: a gathered temporary copied device->host without blocking would be read on
+    the host before its DMA finished.
     """
-    if block_mapping.numel() == 0:
-        return
-    src_ids = block_mapping[:, 0].to(src.device)
-    dst_ids = block_mapping[:, 1].to(dst.device)
     non_blocking = src.device.type != dst.device.type
-    dst[dst_ids] = src[src_ids].to(dst.device, non_blocking=non_blocking)
+    for s, d in block_mapping.tolist():
+        dst[d].copy_(src[s], non_blocking=non_blocking)

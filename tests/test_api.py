@@ -1,0 +1,559 @@
+"""The OpenAI-compatible API against the real engine and the real stories260K model.
+
+One engine (its own worker process) serves the whole module on a free port; a second one runs the
+embedded default for the random-weights checks. A few error paths that a healthy real engine
+cannot produce (a worker failing mid-generation) use a small stand-in engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+
+import aiohttp
+import openai
+import pytest
+import pytest_asyncio
+from aiohttp.test_utils import TestServer
+from conftest import GOLDEN_COMPLETION, GOLDEN_PROMPT, GOLDEN_PROMPT_IDS
+
+from common.config import EngineConfig, ModelConfig
+from scheduler.api import build_app
+from scheduler.engine import Engine, RequestOutput
+from scheduler.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+NUM_GPU_BLOCKS = 64
+GREEDY_60 = {"prompt": GOLDEN_PROMPT, "max_tokens": 60, "temperature": 0}
+
+
+async def _serve(engine) -> TestServer:
+    server = TestServer(build_app(engine), host="127.0.0.1", port=0, handler_cancellation=True)
+    await server.start_server()
+    return server
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(stories260k):
+    e = await Engine.start(EngineConfig(model=str(stories260k), device="cpu", num_gpu_blocks=NUM_GPU_BLOCKS,
+                                        swap_space=0.001, worker_timeout=60))
+    yield e
+    await e.shutdown()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def base_url(engine):
+    server = await _serve(engine)
+    yield str(server.make_url("")).rstrip("/")
+    await server.close()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def http(base_url):
+    async with aiohttp.ClientSession(base_url) as session:
+        yield session
+
+
+async def sse_events(resp: aiohttp.ClientResponse) -> list[str]:
+    """The ``data:`` payloads of an SSE body, checking the framing (every event ends with a blank line)."""
+    body = (await resp.read()).decode()
+    assert body.endswith("\n\n")
+    events = body.split("\n\n")[:-1]
+    assert all(e.startswith("data: ") and "\n" not in e for e in events), events
+    return [e[len("data: "):] for e in events]
+
+
+async def wait_all_blocks_free(http, timeout: float = 10.0) -> dict:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        snap = await (await http.get("/kv_cache")).json()
+        if (snap["num_free_blocks"] == NUM_GPU_BLOCKS and not snap["requests"]) or \
+                asyncio.get_running_loop().time() > deadline:
+            return snap
+        await asyncio.sleep(0.05)
+
+
+# ---- completions --------------------------------------------------------------------------------
+
+async def test_non_streamed_golden_completion(http):
+    resp = await http.post("/v1/completions", json={**GREEDY_60, "model": "stories260K"})
+    assert resp.status == 200
+    body = await resp.json()
+    assert re.fullmatch(r"cmpl-[0-9a-f]{32}", body["id"])
+    assert body["object"] == "text_completion"
+    assert body["model"] == "stories260K"
+    assert isinstance(body["created"], int)
+    assert body["choices"] == [{"index": 0, "text": GOLDEN_COMPLETION, "logprobs": None,
+                                "finish_reason": "length", "stop_reason": None}]
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 60, "total_tokens": 65,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+async def test_streamed_golden_completion_ends_with_done(http):
+    resp = await http.post("/v1/completions", json={**GREEDY_60, "stream": True,
+                                                     "stream_options": {"include_usage": True}})
+    assert resp.status == 200
+    assert resp.headers["Content-Type"] == "text/event-stream"
+    events = await sse_events(resp)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    *deltas, usage = chunks
+    assert "".join(c["choices"][0]["text"] for c in deltas) == GOLDEN_COMPLETION
+    assert len(deltas) == 60  # one chunk per token: nothing of the golden is held back
+    assert [c["choices"][0]["finish_reason"] for c in deltas] == [None] * 59 + ["length"]
+    assert all(c["usage"] is None and c["object"] == "text_completion" for c in deltas)
+    assert len({c["id"] for c in chunks}) == 1
+    assert usage["choices"] == []
+    assert usage["usage"] == {"prompt_tokens": 5, "completion_tokens": 60, "total_tokens": 65,
+                              "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+async def test_streamed_completion_without_usage_has_no_usage_field(http):
+    resp = await http.post("/v1/completions", json={**GREEDY_60, "max_tokens": 3, "stream": True})
+    events = await sse_events(resp)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert [c["choices"][0]["text"] for c in chunks] == [",", " there", " was"]
+    assert all("usage" not in c for c in chunks)
+
+
+@pytest.mark.parametrize("prompt", [GOLDEN_PROMPT_IDS, [GOLDEN_PROMPT], [GOLDEN_PROMPT_IDS]],
+                         ids=["token-ids", "list-of-one-string", "list-of-one-token-list"])
+async def test_prompt_forms_give_the_golden(http, prompt):
+    body = await (await http.post("/v1/completions", json={**GREEDY_60, "prompt": prompt})).json()
+    assert body["choices"][0]["text"] == GOLDEN_COMPLETION
+
+
+async def test_batch_of_prompts_gives_one_choice_each(http):
+    body = await (await http.post("/v1/completions", json={**GREEDY_60, "prompt": [GOLDEN_PROMPT, "Once upon a"],
+                                                            "max_tokens": 4})).json()
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, ", there was a"), (1, " time, there was")]
+    assert body["usage"]["prompt_tokens"] == 5 + 4
+    assert body["usage"]["completion_tokens"] == 8
+
+
+async def test_stop_string_ends_the_completion_before_it(http):
+    body = await (await http.post("/v1/completions", json={**GREEDY_60, "stop": "girl"})).json()
+    assert body["choices"][0]["text"] == ", there was a little "
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] == 8  # " g" "ir" "l" were generated, never shown
+
+
+async def test_stop_string_in_a_stream_is_never_sent(http):
+    resp = await http.post("/v1/completions", json={**GREEDY_60, "stop": ["girl"], "stream": True})
+    events = await sse_events(resp)
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == ", there was a little "
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_echo_prepends_the_prompt(http):
+    body = await (await http.post("/v1/completions", json={**GREEDY_60, "echo": True})).json()
+    assert body["choices"][0]["text"] == GOLDEN_PROMPT + GOLDEN_COMPLETION
+
+
+async def test_completion_logprobs_in_the_openai_format(http, engine):
+    body = await (await http.post("/v1/completions", json={**GREEDY_60, "max_tokens": 5, "logprobs": 2})).json()
+    lp = body["choices"][0]["logprobs"]
+    assert lp["tokens"] == [",", " there", " was", " a", " little"]
+    assert lp["text_offset"] == [0, 1, 7, 11, 13]
+    assert len(lp["token_logprobs"]) == 5 and all(x <= 0 for x in lp["token_logprobs"])
+    for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert len(top) == 2
+        assert top[token] == logprob == max(top.values())  # greedy: the chosen token is the most likely
+
+
+async def test_openai_client_non_streamed(base_url):
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused")
+    resp = await client.completions.create(model="stories260K", prompt=GOLDEN_PROMPT, max_tokens=60, temperature=0)
+    assert resp.choices[0].text == GOLDEN_COMPLETION
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.completion_tokens == 60
+    await client.close()
+
+
+async def test_openai_client_streamed(base_url):
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused")
+    stream = await client.completions.create(model="stories260K", prompt=GOLDEN_PROMPT, max_tokens=60,
+                                             temperature=0, stream=True, stream_options={"include_usage": True})
+    text, usage = [], None
+    async for chunk in stream:
+        text.extend(c.text for c in chunk.choices)
+        usage = chunk.usage or usage
+    assert "".join(text) == GOLDEN_COMPLETION
+    assert (usage.prompt_tokens, usage.completion_tokens) == (5, 60)
+    await client.close()
+
+
+async def test_openai_client_sees_400_with_param(base_url):
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.completions.create(model="stories260K", prompt=GOLDEN_PROMPT, temperature=-1)
+    assert e.value.status_code == 400
+    assert e.value.body["param"] == "temperature"
+    await client.close()
+
+
+# ---- validation ---------------------------------------------------------------------------------
+
+BAD_REQUESTS = [
+    ("negative-temperature", {"temperature": -0.5}, "temperature"),
+    ("top-p-zero", {"top_p": 0}, "top_p"),
+    ("top-p-above-one", {"top_p": 1.5}, "top_p"),
+    ("max-tokens-zero", {"max_tokens": 0}, "max_tokens"),
+    ("max-tokens-null", {"max_tokens": None}, "max_tokens"),
+    ("empty-prompt", {"prompt": ""}, "prompt"),
+    ("empty-prompt-list", {"prompt": []}, "prompt"),
+    ("missing-prompt", {"prompt": None}, "prompt"),
+    ("mixed-prompt-list", {"prompt": [1, "a"]}, "prompt"),
+    ("n-two", {"n": 2}, "n"),
+    ("temperature-string", {"temperature": "hot"}, "temperature"),
+    ("max-tokens-string", {"max_tokens": "10"}, "max_tokens"),
+    ("stop-number", {"stop": 5}, "stop"),
+    ("stop-empty-string", {"stop": [""]}, "stop"),
+    ("prompt-token-not-int", {"prompt": [[1, "x"]]}, "prompt[0][1]"),
+    ("logprobs-too-many", {"logprobs": 50}, "logprobs"),
+    ("logprobs-bool", {"logprobs": True}, "logprobs"),
+    ("token-outside-vocab", {"prompt": [1, 512]}, "prompt"),
+    ("over-long-prompt", {"prompt": [1] + [403] * 600}, "prompt"),
+    ("prompt-plus-max-tokens-too-long", {"prompt": [1] + [403] * 500, "max_tokens": 20}, "max_tokens"),
+    ("stream-options-without-stream", {"stream_options": {"include_usage": True}}, "stream_options"),
+    ("seed-negative", {"seed": -1}, "seed"),
+    ("stop-token-outside-vocab", {"stop_token_ids": [9999]}, "stop_token_ids"),
+]
+
+
+@pytest.mark.parametrize("override,param", [b[1:] for b in BAD_REQUESTS], ids=[b[0] for b in BAD_REQUESTS])
+async def test_invalid_field_gets_400_naming_it(http, override, param):
+    resp = await http.post("/v1/completions", json={**GREEDY_60, **override})
+    assert resp.status == 400
+    body = await resp.json()
+    assert body["error"]["param"] == param
+    assert body["error"]["type"] == "invalid_request_error"
+    assert body["error"]["code"] is None
+    assert body["error"]["message"].startswith(f"{param}: ")
+
+
+async def test_nan_temperature_gets_400(http):
+    resp = await http.post("/v1/completions", data=b'{"prompt": "Once", "temperature": NaN}',
+                           headers={"Content-Type": "application/json"})
+    assert resp.status == 400
+    assert (await resp.json())["error"] == {"message": "temperature: must be a finite number, got nan",
+                                            "type": "invalid_request_error", "param": "temperature", "code": None}
+
+
+async def test_wrong_type_message_names_the_expected_type(http):
+    resp = await http.post("/v1/completions", json={"prompt": "Once", "temperature": "hot"})
+    assert (await resp.json())["error"]["message"] == "temperature: expected `float | null`, got `str`"
+
+
+@pytest.mark.parametrize("data", [b'{"prompt": "Once",', b"not json", b"\xff\xfe"], ids=["truncated", "text", "binary"])
+async def test_malformed_json_gets_400(http, data):
+    resp = await http.post("/v1/completions", data=data, headers={"Content-Type": "application/json"})
+    assert resp.status == 400
+    body = await resp.json()
+    assert body["error"]["param"] is None
+    assert body["error"]["message"].startswith("request body is not valid JSON: ")
+
+
+async def test_body_that_is_not_an_object_gets_400(http):
+    resp = await http.post("/v1/completions", json=[1, 2])
+    assert resp.status == 400
+    assert (await resp.json())["error"]["message"] == "request body: Expected `object`, got `array`"
+
+
+async def test_unknown_model_gets_404(http):
+    resp = await http.post("/v1/completions", json={**GREEDY_60, "model": "gpt-4"})
+    assert resp.status == 404
+    assert (await resp.json())["error"] == {"message": "The model `gpt-4` does not exist.",
+                                            "type": "invalid_request_error", "param": "model",
+                                            "code": "model_not_found"}
+
+
+async def test_server_keeps_serving_after_every_error(http):
+    for _, override, _ in BAD_REQUESTS:
+        assert (await http.post("/v1/completions", json={**GREEDY_60, **override})).status == 400
+    body = await (await http.post("/v1/completions", json=GREEDY_60)).json()
+    assert body["choices"][0]["text"] == GOLDEN_COMPLETION
+    snap = await wait_all_blocks_free(http)
+    assert snap["num_free_blocks"] == NUM_GPU_BLOCKS
+
+
+async def test_unknown_route_gets_json_404(http):
+    resp = await http.get("/v1/nothing")
+    assert resp.status == 404
+    assert (await resp.json())["error"]["message"] == "Not Found"
+
+
+# ---- chat ---------------------------------------------------------------------------------------
+
+async def test_chat_without_template_gets_400(http):
+    resp = await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]})
+    assert resp.status == 400
+    assert (await resp.json())["error"] == {
+        "message": "messages: model 'stories260K' has no chat template; use /v1/completions",
+        "type": "invalid_request_error", "param": "messages", "code": None}
+
+
+async def test_chat_with_empty_messages_gets_400(http):
+    resp = await http.post("/v1/chat/completions", json={"messages": []})
+    assert resp.status == 400
+    assert (await resp.json())["error"]["param"] == "messages"
+
+
+async def test_chat_with_a_bad_message_type_names_the_path(http):
+    resp = await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": 5}]})
+    assert resp.status == 400
+    assert (await resp.json())["error"]["param"] == "messages[0].content"
+
+
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                 "{% if not add_generation_prompt %}{{ raise_exception('needs a generation prompt') }}{% endif %}")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def chat_base_url(stories260k, tmp_path_factory):
+    """stories260K plus a chat template that turns the messages into the plain golden prompt."""
+    ckpt = tmp_path_factory.mktemp("stories260K-chat")
+    for f in stories260k.iterdir():
+        (ckpt / f.name).symlink_to(f)
+    config = json.loads((stories260k / "tokenizer_config.json").read_text())
+    (ckpt / "tokenizer_config.json").unlink()
+    (ckpt / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    e = await Engine.start(EngineConfig(model=str(ckpt), device="cpu", num_gpu_blocks=64, swap_space=0.001))
+    server = await _serve(e)
+    yield str(server.make_url("")).rstrip("/")
+    await server.close()
+    await e.shutdown()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def chat_http(chat_base_url):
+    async with aiohttp.ClientSession(chat_base_url) as session:
+        yield session
+
+
+CHAT_GOLDEN = {"messages": [{"role": "user", "content": GOLDEN_PROMPT}], "max_tokens": 60, "temperature": 0}
+
+
+async def test_chat_completion_renders_the_template(chat_http):
+    resp = await chat_http.post("/v1/chat/completions", json=CHAT_GOLDEN)
+    assert resp.status == 200
+    body = await resp.json()
+    assert re.fullmatch(r"chatcmpl-[0-9a-f]{32}", body["id"])
+    assert body["object"] == "chat.completion"
+    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": GOLDEN_COMPLETION},
+                                "logprobs": None, "finish_reason": "length"}]
+    assert body["usage"]["prompt_tokens"] == 5  # the template's BOS, not a second one
+
+
+async def test_chat_completion_streamed(chat_http):
+    resp = await chat_http.post("/v1/chat/completions", json={**CHAT_GOLDEN, "stream": True})
+    events = await sse_events(resp)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == GOLDEN_COMPLETION
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+
+
+async def test_chat_logprobs_in_the_openai_format(chat_http):
+    body = await (await chat_http.post("/v1/chat/completions", json={
+        **CHAT_GOLDEN, "max_tokens": 2, "logprobs": True, "top_logprobs": 3})).json()
+    content = body["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == [",", " there"]
+    assert [c["bytes"] for c in content] == [[44], [32, 116, 104, 101, 114, 101]]
+    for c in content:
+        assert len(c["top_logprobs"]) == 3
+        assert c["top_logprobs"][0]["token"] == c["token"]
+        assert c["top_logprobs"][0]["logprob"] == c["logprob"]
+
+
+async def test_chat_top_logprobs_without_logprobs_gets_400(chat_http):
+    resp = await chat_http.post("/v1/chat/completions", json={**CHAT_GOLDEN, "top_logprobs": 2})
+    assert resp.status == 400
+    assert (await resp.json())["error"]["param"] == "top_logprobs"
+
+
+async def test_chat_template_error_gets_400(chat_http):
+    resp = await chat_http.post("/v1/chat/completions", json={**CHAT_GOLDEN, "add_generation_prompt": False})
+    assert resp.status == 400
+    assert (await resp.json())["error"] == {
+        "message": "messages: chat template failed: needs a generation prompt",
+        "type": "invalid_request_error", "param": "messages", "code": None}
+
+
+async def test_openai_client_chat(chat_base_url):
+    client = openai.AsyncOpenAI(base_url=f"{chat_base_url}/v1", api_key="unused")
+    [model] = (await client.models.list()).data
+    resp = await client.chat.completions.create(model=model.id, messages=CHAT_GOLDEN["messages"],
+                                                max_tokens=60, temperature=0)
+    assert resp.choices[0].message.content == GOLDEN_COMPLETION
+    stream = await client.chat.completions.create(model=model.id, messages=CHAT_GOLDEN["messages"],
+                                                  max_tokens=60, temperature=0, stream=True)
+    assert "".join([c.choices[0].delta.content or "" async for c in stream]) == GOLDEN_COMPLETION
+    await client.close()
+
+
+# ---- models, health, metrics, kv_cache ----------------------------------------------------------
+
+async def test_models_lists_the_real_model(http):
+    body = await (await http.get("/v1/models")).json()
+    assert body["object"] == "list"
+    [card] = body["data"]
+    assert card["id"] == "stories260K"
+    assert card["object"] == "model"
+    assert card["owned_by"] == "pagedkv"
+    assert card["random_weights"] is False
+    assert card["max_model_len"] == 512
+    assert "description" not in card
+    assert (await (await http.get("/v1/models/stories260K")).json()) == card
+    assert (await http.get("/v1/models/other")).status == 404
+
+
+async def test_health(http):
+    resp = await http.get("/health")
+    assert resp.status == 200
+    assert await resp.json() == {"status": "ok"}
+
+
+async def test_metrics_are_prometheus_text_with_pagedkv_names(http):
+    await http.post("/v1/completions", json={**GREEDY_60, "max_tokens": 2})
+    resp = await http.get("/metrics")
+    assert resp.status == 200
+    assert resp.headers["Content-Type"].startswith("text/plain; version=")
+    text = await resp.text()
+    for name in ("pagedkv:kv_cache_usage_perc", "pagedkv:num_requests_running", "pagedkv:num_requests_waiting",
+                 "pagedkv:num_preemptions_total", "pagedkv:prompt_tokens_total", "pagedkv:generation_tokens_total",
+                 "pagedkv:time_to_first_token_seconds_bucket", "pagedkv:inter_token_latency_seconds_bucket",
+                 "pagedkv:e2e_request_latency_seconds_bucket"):
+        assert re.search(rf"^(# TYPE )?{re.escape(name)}", text, re.M), name
+
+
+async def test_kv_cache_snapshot_shape(http):
+    snap = await wait_all_blocks_free(http)
+    assert snap["block_size"] == 16
+    assert snap["num_gpu_blocks"] == NUM_GPU_BLOCKS
+    assert snap["num_free_blocks"] == NUM_GPU_BLOCKS
+    assert snap["usage"] == 0.0
+    assert snap["requests"] == []
+
+
+async def test_kv_cache_shows_a_live_request_block_table(http):
+    resp = await http.post("/v1/completions", json={**GREEDY_60, "max_tokens": 400, "ignore_eos": True, "stream": True})
+    await resp.content.readuntil(b"\n\n")  # the first token: the request is running
+    snap = await (await http.get("/kv_cache")).json()
+    [req] = snap["requests"]
+    assert req["id"].startswith("cmpl-")
+    assert req["num_tokens"] >= 6
+    assert len(req["block_table"]) == math.ceil(req["num_tokens"] / 16) or \
+        len(req["block_table"]) == math.ceil((req["num_tokens"] + 1) / 16)
+    resp.close()
+    await wait_all_blocks_free(http)
+
+
+async def test_client_disconnect_mid_stream_aborts_and_frees_every_block(http):
+    metrics_before = await (await http.get("/metrics")).text()
+    resp = await http.post("/v1/completions", json={**GREEDY_60, "max_tokens": 500, "ignore_eos": True, "stream": True})
+    for _ in range(3):
+        await resp.content.readuntil(b"\n\n")
+    resp.close()  # drop the connection mid-stream
+    snap = await wait_all_blocks_free(http)
+    assert snap["requests"] == []
+    assert snap["num_free_blocks"] == NUM_GPU_BLOCKS
+    assert snap["usage"] == 0.0
+    text = await (await http.get("/metrics")).text()
+    assert _aborted(text) == _aborted(metrics_before) + 1
+
+
+def _aborted(metrics_text: str) -> float:
+    m = re.search(r'^pagedkv:request_success_total\{[^}]*finished_reason="abort"[^}]*\} (\S+)$', metrics_text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+# ---- the embedded default -----------------------------------------------------------------------
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def embedded_http():
+    e = await Engine.start(EngineConfig(model=None, device="cpu", num_gpu_blocks=64, swap_space=0.001))
+    server = await _serve(e)
+    async with aiohttp.ClientSession(str(server.make_url("")).rstrip("/")) as session:
+        yield session
+    await server.close()
+    await e.shutdown()
+
+
+async def test_embedded_default_says_its_weights_are_random(embedded_http):
+    [card] = (await (await embedded_http.get("/v1/models")).json())["data"]
+    assert card["id"] == "pagedkv-embedded-random"
+    assert card["random_weights"] is True
+    assert card["owned_by"] == "pagedkv (random weights)"
+    assert card["description"].startswith("This model runs on seeded random weights: its outputs are noise.")
+
+
+async def test_embedded_default_streams_sse_ending_in_done(embedded_http):
+    resp = await embedded_http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 8, "stream": True,
+                                                             "ignore_eos": True, "temperature": 0})
+    events = await sse_events(resp)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+# ---- engine failures (a stand-in engine: a healthy real one does not fail on demand) -------------
+
+class FailingEngine:
+    """Implements the Engine interface the API uses; every request fails after one token."""
+
+    def __init__(self, stories260k):
+        self.config = EngineConfig(model=str(stories260k))
+        self.model_config = ModelConfig.load(str(stories260k))
+        self.tokenizer = Tokenizer.load(self.model_config)
+        self.max_model_len = 512
+        self.random_weights = False
+        self.healthy = False
+        self.aborted: list[str] = []
+
+    def add_request(self, prompt_token_ids, params, request_id=None, **extra):
+        async def outputs():
+            n = len(prompt_token_ids)
+            yield RequestOutput(request_id, 0, [432], ",", None, None, None, n, 1, 0)
+            yield RequestOutput(request_id, 0, [], "", None, "error", "worker died", n, 1, 0)
+        return outputs()
+
+    def abort(self, request_id):
+        self.aborted.append(request_id)
+
+
+async def test_generation_error_is_500_without_stream(stories260k):
+    server = await _serve(FailingEngine(stories260k))
+    async with aiohttp.ClientSession() as s:
+        resp = await s.post(server.make_url("/v1/completions"), json=GREEDY_60)
+        assert resp.status == 500
+        assert (await resp.json())["error"] == {"message": "worker died", "type": "server_error",
+                                                "param": None, "code": None}
+    await server.close()
+
+
+async def test_generation_error_in_a_stream_is_an_error_event_then_done(stories260k):
+    server = await _serve(FailingEngine(stories260k))
+    async with aiohttp.ClientSession() as s:
+        resp = await s.post(server.make_url("/v1/completions"), json={**GREEDY_60, "stream": True})
+        events = await sse_events(resp)
+    assert json.loads(events[0])["choices"][0]["text"] == ","
+    assert json.loads(events[1]) == {"error": {"message": "worker died", "type": "server_error",
+                                               "param": None, "code": None}}
+    assert events[2:] == ["[DONE]"]
+    await server.close()
+
+
+async def test_unhealthy_engine_fails_health_check(stories260k):
+    server = await _serve(FailingEngine(stories260k))
+    async with aiohttp.ClientSession() as s:
+        resp = await s.get(server.make_url("/health"))
+        assert resp.status == 503
+    await server.close()

@@ -1,0 +1,201 @@
+"""The ``pagedkv`` command: flag validation, `generate` golden output, `serve` start/stop, external worker."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import GOLDEN_COMPLETION, GOLDEN_PROMPT
+
+from scheduler.cli import build_parser, main
+
+REPO = Path(__file__).resolve().parents[1]
+PAGEDKV = [sys.executable, "-m", "scheduler.cli"]
+SMALL_POOL = ["--num-gpu-blocks", "64", "--swap-space", "0.01", "--device", "cpu"]
+
+
+def test_console_script_is_the_cli_main():
+    [ep] = [e for e in importlib.metadata.entry_points(group="console_scripts") if e.name == "pagedkv"]
+    assert ep.value == "scheduler.cli:main"
+
+
+# ---- flag validation (in-process: argparse exits with status 2 and names the flag) ------------
+
+BAD_FLAGS = [
+    (["--block-size", "3"], "argument --block-size: must be a power of two, got 3"),
+    (["--block-size", "512"], "argument --block-size: must be between 1 and 256, got 512"),
+    (["--block-size", "x"], "argument --block-size: must be an integer, got 'x'"),
+    (["--port", "70000"], "argument --port: must be between 0 and 65535, got 70000"),
+    (["--gpu-memory-utilization", "0"], "argument --gpu-memory-utilization: must be > 0.0 and <= 1.0, got 0"),
+    (["--gpu-memory-utilization", "1.5"], "argument --gpu-memory-utilization: must be > 0.0 and <= 1.0, got 1.5"),
+    (["--cpu-kv-cache-space", "0"], "argument --cpu-kv-cache-space: must be > 0.0, got 0"),
+    (["--swap-space", "-1"], "argument --swap-space: must be >= 0.0, got -1"),
+    (["--max-num-seqs", "0"], "argument --max-num-seqs: must be >= 1, got 0"),
+    (["--num-gpu-blocks", "0"], "argument --num-gpu-blocks: must be >= 1, got 0"),
+    (["--worker-timeout", "nan"], "argument --worker-timeout: must be > 0.0, got nan"),
+    (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+    (["--model", "/"], "argument --model: '/' is not a Hugging Face checkpoint directory (no config.json)"),
+    (["--max-model-len", "100000"], "--max-model-len 100000 must be between 1 and the model's "
+                                    "max_position_embeddings (2048)"),
+    (["--external-worker"], "--external-worker needs --worker-address"),
+    (["--worker-address", "localhost:5555"], "--worker-address must start with ipc:// or tcp://"),
+]
+
+
+@pytest.mark.parametrize("flags,message", BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
+def test_bad_serve_flag_is_an_error_naming_it(capsys, flags, message):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", *flags])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_generate_needs_a_prompt(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["generate"])
+    assert e.value.code == 2
+    assert "give prompts as arguments or with --prompts-file" in capsys.readouterr().err
+
+
+def test_flags_map_onto_engine_config(stories260k):
+    from scheduler.cli import _engine_config
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--model", str(stories260k), "--block-size", "32", "--num-gpu-blocks", "100",
+                              "--gpu-memory-utilization", "0.5", "--cpu-kv-cache-space", "2", "--swap-space", "1",
+                              "--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--max-model-len", "256",
+                              "--max-n", "4", "--seed", "7", "--dtype", "float32", "--device", "cpu",
+                              "--load-format", "dummy", "--worker-timeout", "30", "--attention-backend", "torch"])
+    config = _engine_config(args, parser)
+    assert (config.model, config.block_size, config.num_gpu_blocks, config.gpu_memory_utilization,
+            config.cpu_kv_cache_space, config.swap_space, config.max_num_seqs, config.max_num_batched_tokens,
+            config.max_model_len, config.max_n, config.seed, config.dtype, config.device, config.load_format,
+            config.worker_timeout, config.attention_backend) == (
+        str(stories260k), 32, 100, 0.5, 2.0, 1.0, 8, 512, 256, 4, 7, "float32", "cpu", "dummy", 30.0, "torch")
+    assert (args.host, args.port) == ("127.0.0.1", 8000)
+
+
+def test_capacity_subcommand_exists_exactly_when_its_module_does():
+    subcommands = build_parser()._subparsers._group_actions[0].choices
+    assert ("capacity" in subcommands) == (importlib.util.find_spec("common.capacity") is not None)
+    assert {"serve", "generate", "worker"} <= set(subcommands)
+
+
+# ---- generate (subprocesses: the real engine and worker) --------------------------------------
+
+def test_generate_prints_the_golden_text(stories260k):
+    out = subprocess.run([*PAGEDKV, "generate", "--model", str(stories260k), *SMALL_POOL, "--temperature", "0",
+                          "--max-tokens", "60", GOLDEN_PROMPT], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == GOLDEN_PROMPT + GOLDEN_COMPLETION + "\n"
+    assert "request finished" in out.stderr  # logs go to stderr, never into the completions
+
+
+def test_generate_reads_a_prompts_file_and_writes_jsonl(stories260k, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(f"{GOLDEN_PROMPT}\n\nOnce upon a\n")
+    out = subprocess.run([*PAGEDKV, "generate", "--model", str(stories260k), *SMALL_POOL, "--max-tokens", "4",
+                          "--prompts-file", str(prompts), "--output-format", "jsonl"],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert [json.loads(line) for line in out.stdout.splitlines()] == [
+        {"prompt": GOLDEN_PROMPT, "index": 0, "completion": ", there was a", "finish_reason": "length",
+         "completion_tokens": 4},
+        {"prompt": "Once upon a", "index": 0, "completion": " time, there was", "finish_reason": "length",
+         "completion_tokens": 4},
+    ]
+
+
+def test_generate_rejects_an_invalid_request_with_status_2(stories260k):
+    out = subprocess.run([*PAGEDKV, "generate", "--model", str(stories260k), *SMALL_POOL, "--max-tokens", "600",
+                          GOLDEN_PROMPT], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 2
+    assert "pagedkv generate: error: max_tokens: prompt (5 tokens) + max_tokens (600) exceeds max_model_len (512)" \
+        in out.stderr
+
+
+# ---- serve ------------------------------------------------------------------------------------
+
+class Server:
+    """`pagedkv serve --port 0 --log-format json` in a subprocess; reads its "serving" log line."""
+
+    def __init__(self, *flags: str):
+        self.proc = subprocess.Popen([*PAGEDKV, "serve", "--port", "0", "--log-format", "json", *flags],
+                                     stderr=subprocess.PIPE, text=True, cwd=REPO)
+        self.events: list[dict] = []
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            line = self.proc.stderr.readline()
+            if not line:
+                raise AssertionError(f"serve exited with {self.proc.wait()} before serving: {self.events}")
+            if line.startswith("{"):
+                self.events.append(json.loads(line))
+                if self.events[-1]["event"] == "serving":
+                    self.url = self.events[-1]["url"]
+                    return
+        raise AssertionError("serve did not start within 300 s")
+
+    def post(self, path: str, body: dict) -> dict:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return json.loads(resp.read())
+
+    def stop(self, sig: int) -> tuple[int, list[dict]]:
+        self.proc.send_signal(sig)
+        rest = self.proc.stderr.read()
+        code = self.proc.wait(timeout=60)
+        return code, self.events + [json.loads(x) for x in rest.splitlines() if x.startswith("{")]
+
+
+def _torch_loaded(pid: int) -> bool:
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_serve_real_model_then_sigterm_shuts_down_cleanly(stories260k):
+    server = Server("--model", str(stories260k), *SMALL_POOL)
+    try:
+        serving = server.events[-1]
+        assert serving["model"] == "stories260K"
+        assert serving["random_weights"] is False
+        assert serving["num_gpu_blocks"] == 64
+        assert serving["url"].startswith("http://127.0.0.1:")
+        body = server.post("/v1/completions", {"prompt": GOLDEN_PROMPT, "max_tokens": 60, "temperature": 0})
+        assert body["choices"][0]["text"] == GOLDEN_COMPLETION
+        assert not _torch_loaded(server.proc.pid)  # the control plane never loads torch
+    finally:
+        code, events = server.stop(signal.SIGTERM)
+    assert code == 0
+    assert "shutting down" in [e["event"] for e in events]
+
+
+def test_serve_embedded_default_with_an_external_worker_says_weights_are_random(tmp_path):
+    address = f"ipc://{tmp_path}/w.sock"
+    serve = None
+    worker = subprocess.Popen([*PAGEDKV, "worker", "--connect", address], cwd=REPO,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        serve = Server("--external-worker", "--worker-address", address, *SMALL_POOL)
+        warning = next(e for e in serve.events if e["event"] == "model weights are RANDOM: outputs are noise")
+        assert warning["level"] == "warning"
+        assert serve.events[-1]["random_weights"] is True
+        assert serve.events[-1]["model"] == "pagedkv-embedded-random"
+        body = serve.post("/v1/completions", {"prompt": "Hi", "max_tokens": 5, "ignore_eos": True})
+        assert body["usage"]["completion_tokens"] == 5
+        code, _ = serve.stop(signal.SIGINT)
+        assert code == 0
+        assert worker.wait(timeout=60) == 0  # the worker leaves when told to shut down
+    finally:
+        for p in (worker, serve.proc if serve else None):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+    assert not os.path.exists(address[len("ipc://"):])

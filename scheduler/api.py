@@ -137,7 +137,8 @@ class _SamplingFields(msgspec.Struct):
 
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions. ``prompt``: a string, a list of strings, a list of token ids, or a
-    list of token-id lists. ``logprobs``: how many top alternatives per token (0..max_logprobs)."""
+    list of token-id lists. ``logprobs``: how many top alternatives per token (0..max_logprobs).
+    ``echo``: the prompt text comes first in each choice (prompt tokens get no logprobs)."""
 
     prompt: str | list[str | int | list[int]] | None = None
     max_tokens: int | None = 16
@@ -272,9 +273,11 @@ class _Generation:
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, it: AsyncIterator) -> None:
-            async for out in it:
-                queue.put_nowait((i, out))
-            queue.put_nowait((i, None))
+            try:
+                async for out in it:
+                    queue.put_nowait((i, out))
+            finally:  # the consumer counts ends, whatever way this one ended
+                queue.put_nowait((i, None))
 
         self._pumps = [asyncio.create_task(pump(i, it)) for i, it in enumerate(self.iterators)]
         remaining = len(self._pumps)
@@ -509,8 +512,10 @@ class _API:
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        if max_tokens is None:
-            max_tokens = max(engine.max_model_len - len(prompt), 1)
+        if max_tokens is None:  # OpenAI: up to the context limit; here also up to what the pool can hold
+            snap = engine.kv_cache_snapshot()
+            room = min(engine.max_model_len, snap["num_gpu_blocks"] * snap["block_size"]) - len(prompt)
+            max_tokens = max(room, 1)
         params = _sampling_params(req, engine, max_tokens=max_tokens,
                                   logprobs=(req.top_logprobs or 0) if req.logprobs else None)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -608,6 +613,9 @@ async def _stream(request: web.Request, gen: _Generation, events: AsyncIterator[
         except ConnectionResetError:  # the client went away: closing the generation aborts it
             log.info("client disconnected", request_ids=gen.request_ids)
             return resp
+        except asyncio.CancelledError:  # the same, noticed by aiohttp's handler cancellation
+            log.info("client disconnected", request_ids=gen.request_ids)
+            raise
         await resp.write_eof()
         return resp
     finally:

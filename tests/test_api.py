@@ -373,6 +373,15 @@ async def test_chat_logprobs_in_the_openai_format(chat_http):
         assert c["top_logprobs"][0]["logprob"] == c["logprob"]
 
 
+async def test_chat_without_max_tokens_runs_to_the_pool_limit(chat_http):
+    # 64 blocks x 16 tokens = 1024 > max_model_len 512: the context limit decides.
+    body = await (await chat_http.post("/v1/chat/completions", json={
+        "messages": CHAT_GOLDEN["messages"], "temperature": 0, "ignore_eos": True})).json()
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 507, "total_tokens": 512,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
+    assert body["choices"][0]["finish_reason"] == "length"
+
+
 async def test_chat_top_logprobs_without_logprobs_gets_400(chat_http):
     resp = await chat_http.post("/v1/chat/completions", json={**CHAT_GOLDEN, "top_logprobs": 2})
     assert resp.status == 400
@@ -456,9 +465,11 @@ async def test_kv_cache_shows_a_live_request_block_table(http):
     await wait_all_blocks_free(http)
 
 
-async def test_client_disconnect_mid_stream_aborts_and_frees_every_block(http):
+@pytest.mark.parametrize("prompt", [GOLDEN_PROMPT, [GOLDEN_PROMPT, "Once upon a"]], ids=["one-prompt", "two-prompts"])
+async def test_client_disconnect_mid_stream_aborts_and_frees_every_block(http, prompt):
     metrics_before = await (await http.get("/metrics")).text()
-    resp = await http.post("/v1/completions", json={**GREEDY_60, "max_tokens": 500, "ignore_eos": True, "stream": True})
+    resp = await http.post("/v1/completions", json={**GREEDY_60, "prompt": prompt, "max_tokens": 500,
+                                                     "ignore_eos": True, "stream": True})
     for _ in range(3):
         await resp.content.readuntil(b"\n\n")
     resp.close()  # drop the connection mid-stream
@@ -467,7 +478,7 @@ async def test_client_disconnect_mid_stream_aborts_and_frees_every_block(http):
     assert snap["num_free_blocks"] == NUM_GPU_BLOCKS
     assert snap["usage"] == 0.0
     text = await (await http.get("/metrics")).text()
-    assert _aborted(text) == _aborted(metrics_before) + 1
+    assert _aborted(text) == _aborted(metrics_before) + (1 if isinstance(prompt, str) else 2)
 
 
 def _aborted(metrics_text: str) -> float:

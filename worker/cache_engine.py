@@ -33,15 +33,19 @@ class CacheEngine:
         shape = (block_size, config.num_key_value_heads, config.head_dim)
         pin = device.type == "cuda"
 
-        def pool(n: int, dev: torch.device, pin_memory: bool = False) -> list[torch.Tensor]:
-            return [torch.zeros((n, *shape), dtype=dtype, device=dev, pin_memory=pin_memory)
+        def pool(n: int, dev: torch.device, pin_memory: bool = False, zero: bool = True) -> list[torch.Tensor]:
+            # device pool zeroed (a kernel may read a stale slot past seq_len and mask it; 0 * NaN
+            # would poison it); host pool left uninitialised: a block is always swapped out before in
+            alloc = torch.zeros if zero else torch.empty
+            return [alloc((n, *shape), dtype=dtype, device=dev, pin_memory=pin_memory)
                     for _ in range(config.num_hidden_layers)]
 
         self.block_size = block_size
         self.num_gpu_blocks, self.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
         self.k_caches, self.v_caches = pool(num_gpu_blocks, device), pool(num_gpu_blocks, device)
         cpu = torch.device("cpu")
-        self.cpu_k_caches, self.cpu_v_caches = pool(num_cpu_blocks, cpu, pin), pool(num_cpu_blocks, cpu, pin)
+        self.cpu_k_caches = pool(num_cpu_blocks, cpu, pin, zero=False)
+        self.cpu_v_caches = pool(num_cpu_blocks, cpu, pin, zero=False)
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Copy (device_block, host_block) pairs from the device pool to the host pool."""

@@ -150,6 +150,8 @@ class EngineConfig(msgspec.Struct):
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"  # sha256 | xxhash
     max_n: int = 16
     max_logprobs: int = 20
     worker_timeout: float = 120.0

@@ -83,7 +83,8 @@ class Engine:
         self.max_model_len = resolve_max_model_len(model_config, config.max_model_len)
         self.random_weights = model_config.path is None or config.load_format == "dummy"
         self.num_cpu_blocks = num_cpu_blocks
-        self.kv = KVCacheManager(num_gpu_blocks, config.block_size)
+        self.kv = KVCacheManager(num_gpu_blocks, config.block_size, config.enable_prefix_caching,
+                                 config.prefix_caching_hash_algo)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.metrics = Metrics(model_config.name)
         self._streams: dict[str, _Stream] = {}

@@ -23,6 +23,7 @@ from common import protocol
 from common.config import EngineConfig
 
 _POLL_SECONDS = 0.5  # how often a waiting call checks that a spawned worker is still alive
+_START_SECONDS = 600.0  # loading a large checkpoint and profiling may take minutes; steps may not
 
 
 class WorkerFailed(RuntimeError):
@@ -36,7 +37,8 @@ def default_worker_address() -> str:
 class WorkerClient:
     """One worker process (rank 0) behind a ROUTER socket.
 
-    timeout: seconds a step or start-up phase may take before the worker is declared failed.
+    timeout: seconds a step may take before the worker is declared failed (``--worker-timeout``);
+    each start-up phase (load, profile, allocate) may take up to the larger of it and 600 s.
     """
 
     def __init__(self, config: EngineConfig, address: str | None = None, spawn: bool = True):
@@ -61,21 +63,22 @@ class WorkerClient:
         if self.spawn:
             env = dict(os.environ, PAGEDKV_PARENT_PID=str(os.getpid()))
             self.process = subprocess.Popen([sys.executable, "-m", "worker", "--connect", self.address], env=env)
-        msg = await self._recv(timeout=register_timeout if not self.spawn else self.timeout)
+        start_timeout = max(self.timeout, _START_SECONDS)
+        msg = await self._recv(timeout=register_timeout if not self.spawn else start_timeout)
         if not isinstance(msg, protocol.Register):
             raise WorkerFailed(f"expected Register from the worker, got {type(msg).__name__}")
         if msg.protocol_version != protocol.PROTOCOL_VERSION:
             raise WorkerFailed(f"worker speaks protocol version {msg.protocol_version}, "
                                f"control plane {protocol.PROTOCOL_VERSION}: upgrade both together")
         await self._send(protocol.LoadModel(self.config))
-        hello = await self._recv(self.timeout)
+        hello = await self._recv(start_timeout)
         if not isinstance(hello, protocol.WorkerHello):
             raise WorkerFailed(f"expected WorkerHello, got {type(hello).__name__}")
         return hello
 
     async def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         await self._send(protocol.InitCache(num_gpu_blocks, num_cpu_blocks))
-        ready = await self._recv(self.timeout)
+        ready = await self._recv(max(self.timeout, _START_SECONDS))
         if not isinstance(ready, protocol.WorkerReady):
             raise WorkerFailed(f"expected WorkerReady, got {type(ready).__name__}")
 

@@ -1,0 +1,184 @@
+"""The engine end to end (control plane + worker process) on the real stories260K model."""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from common.config import EngineConfig
+from common.sampling_params import SamplingParams
+from scheduler.engine import Engine
+from conftest import GOLDEN_COMPLETION, GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS
+
+
+async def collect(stream):
+    tokens, text, last = [], "", None
+    async for out in stream:
+        tokens += out.token_ids
+        text += out.text
+        last = out
+    return tokens, text, last
+
+
+def metric(engine, name, **labels):
+    return engine.metrics.registry.get_sample_value(name, {"model_name": engine.model_config.name, **labels}) or 0.0
+
+
+def assert_all_blocks_free(engine):
+    snap = engine.kv_cache_snapshot()
+    assert snap["num_free_blocks"] == snap["num_gpu_blocks"]
+    assert snap["usage"] == 0.0 and snap["requests"] == [] and snap["block_ref_counts"] == {}
+    engine.kv.pool.check_invariants([])
+
+
+@pytest.fixture
+async def start(stories260k):
+    engines = []
+
+    async def _start(**kw):
+        engine = await Engine.start(EngineConfig(model=str(stories260k), **kw))
+        engines.append(engine)
+        return engine
+
+    yield _start
+    for engine in engines:
+        await engine.shutdown()
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=60)
+
+
+async def test_greedy_completion_equals_the_golden(start):
+    engine = await start()
+    tokens, text, last = await collect(engine.add_request(GOLDEN_PROMPT_IDS, GREEDY))
+    assert tokens == GOLDEN_OUTPUT_IDS
+    assert text == GOLDEN_COMPLETION
+    assert (last.finish_reason, last.num_prompt_tokens, last.num_output_tokens) == ("length", 5, 60)
+    assert_all_blocks_free(engine)
+
+
+async def test_chunked_prefill_and_block_size_8_give_the_golden(start):
+    engine = await start(block_size=8, max_num_batched_tokens=3)
+    tokens, _, _ = await collect(engine.add_request(GOLDEN_PROMPT_IDS, GREEDY))
+    assert tokens == GOLDEN_OUTPUT_IDS
+
+
+async def test_sixteen_requests_on_a_tiny_pool_are_preempted_and_still_golden(start):
+    engine = await start(num_gpu_blocks=12, enable_prefix_caching=False)
+    results = await asyncio.gather(*[collect(engine.add_request(GOLDEN_PROMPT_IDS, GREEDY)) for _ in range(16)])
+    assert all(tokens == GOLDEN_OUTPUT_IDS and text == GOLDEN_COMPLETION for tokens, text, _ in results)
+    preemptions = metric(engine, "pagedkv:num_preemptions_total", mode="recompute")
+    assert preemptions == engine.scheduler.num_preemptions > 0
+    assert_all_blocks_free(engine)
+    assert metric(engine, "pagedkv:kv_cache_usage_perc") == 0.0
+    assert metric(engine, "pagedkv:generation_tokens_total") >= 16 * 60
+
+
+async def test_seeded_sampling_is_the_same_alone_batched_and_preempted(start):
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=40)
+    alone_engine = await start()
+    alone, _, _ = await collect(alone_engine.add_request(GOLDEN_PROMPT_IDS, params))
+    again, _, _ = await collect(alone_engine.add_request(GOLDEN_PROMPT_IDS, params))
+    assert alone == again
+
+    tight = await start(num_gpu_blocks=10, enable_prefix_caching=False)
+    noise = [tight.add_request(GOLDEN_PROMPT_IDS, SamplingParams(temperature=1.0, max_tokens=40, seed=s))
+             for s in range(7)]
+    seeded = tight.add_request(GOLDEN_PROMPT_IDS, params)
+    results = await asyncio.gather(collect(seeded), *[collect(n) for n in noise])
+    assert tight.scheduler.num_preemptions > 0
+    assert results[0][0] == alone
+    assert_all_blocks_free(tight)
+
+
+async def test_stop_string_ends_the_text_before_it(start):
+    engine = await start()
+    params = SamplingParams(temperature=0, max_tokens=60, stop=["girl"])
+    _, text, last = await collect(engine.add_request(GOLDEN_PROMPT_IDS, params))
+    assert text == ", there was a little "
+    assert last.finish_reason == "stop"
+    assert_all_blocks_free(engine)
+
+
+async def test_stop_token_id_ends_the_request_without_its_text(start):
+    engine = await start()
+    params = SamplingParams(temperature=0, max_tokens=60, stop_token_ids=[426])  # 426 is "."
+    tokens, text, last = await collect(engine.add_request(GOLDEN_PROMPT_IDS, params))
+    assert tokens == GOLDEN_OUTPUT_IDS[:11] and tokens[-1] == 426
+    assert text == ", there was a little girl named Lily"
+    assert last.finish_reason == "stop"
+
+
+async def test_closing_the_stream_early_aborts_and_frees_every_block(start):
+    engine = await start()
+    stream = engine.add_request(GOLDEN_PROMPT_IDS, SamplingParams(temperature=0, max_tokens=200))
+    async for out in stream:
+        if out.num_output_tokens == 5:
+            break
+    await stream.aclose()
+    for _ in range(100):
+        if not engine.scheduler.requests:
+            break
+        await asyncio.sleep(0.01)
+    assert_all_blocks_free(engine)
+    assert metric(engine, "pagedkv:request_success_total", finished_reason="abort") == 1
+
+
+async def test_requests_that_can_never_fit_are_rejected_at_once(start):
+    engine = await start(num_gpu_blocks=4, max_model_len=100)
+    with pytest.raises(ValueError, match="^prompt: 101 tokens is longer than max_model_len"):
+        engine.add_request([1] * 101, GREEDY)
+    with pytest.raises(ValueError, match="^max_tokens: "):
+        engine.add_request([1] * 50, SamplingParams(max_tokens=51))
+    with pytest.raises(ValueError, match="^prompt: prompt \\+ max_tokens needs 5 KV blocks but the whole pool has 4"):
+        engine.add_request([1] * 60, SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="^prompt: must not be empty"):
+        engine.add_request([], GREEDY)
+    with pytest.raises(ValueError, match="^prompt: token id 512 is outside"):
+        engine.add_request([1, 512], GREEDY)
+    with pytest.raises(ValueError, match="^n: "):
+        engine.add_request([1, 2], SamplingParams(n=17))
+    assert not engine.scheduler.requests
+
+
+async def test_a_dead_worker_fails_requests_in_flight_with_a_clear_error(start):
+    engine = await start()
+    stream = engine.add_request(GOLDEN_PROMPT_IDS, SamplingParams(temperature=0, max_tokens=400))
+    await stream.__anext__()
+    engine.client.process.kill()
+    _, _, last = await collect(stream)
+    assert last.finish_reason == "error" and "worker process exited" in last.error
+    assert not engine.healthy
+    with pytest.raises(RuntimeError, match="not serving"):
+        engine.add_request(GOLDEN_PROMPT_IDS, GREEDY)
+
+
+async def test_a_stalled_worker_is_detected_by_the_deadline(start):
+    engine = await start(worker_timeout=1.0)
+    os.kill(engine.client.process.pid, signal.SIGSTOP)
+    try:
+        _, _, last = await collect(engine.add_request(GOLDEN_PROMPT_IDS, GREEDY))
+    finally:
+        os.kill(engine.client.process.pid, signal.SIGCONT)
+    assert last.finish_reason == "error" and "did not answer within 1 s" in last.error
+
+
+def test_the_worker_is_its_own_process_and_the_control_plane_never_loads_torch(stories260k):
+    code = f"""
+import asyncio, os, sys
+from common.config import EngineConfig
+from common.sampling_params import SamplingParams
+from scheduler.engine import Engine
+async def main():
+    e = await Engine.start(EngineConfig(model={str(stories260k)!r}))
+    out = [o async for o in e.add_request([1, 403], SamplingParams(temperature=0, max_tokens=3))]
+    print("RESULT", len(out), e.client.process.pid != os.getpid(), "torch" in sys.modules)
+    await e.shutdown()
+asyncio.run(main())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = [line for line in out.stdout.splitlines() if line.startswith("RESULT")]
+    assert result == ["RESULT 3 True False"], out.stderr[-2000:]

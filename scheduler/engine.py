@@ -255,7 +255,7 @@ class Engine:
 
             status = None
             if token in params.stop_token_ids or (not params.ignore_eos and token in self.tokenizer.eos_token_ids):
-                status, text = RequestStatus.FINISHED_STOPPED, ""
+                status, text = RequestStatus.FINISHED_STOPPED, stream.detok.flush()
             else:
                 text = stream.detok.append(token)
                 if stream.detok.stopped:

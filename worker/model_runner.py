@@ -107,6 +107,8 @@ class ModelRunner:
             state = self.requests.get(cached.request_id)
             if state is None:
                 raise ValueError(f"cached request {cached.request_id!r} is not known to this worker")
+            for index, block_id in cached.replaced_block_ids:  # copy-on-write moved this block
+                state.block_ids[index] = block_id
             state.block_ids.extend(cached.new_block_ids)
             state.token_ids.extend(cached.new_token_ids)
             scheduled.append((state, cached.num_scheduled_tokens))

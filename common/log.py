@@ -67,3 +67,7 @@ class _NamedPrintLogger(structlog.PrintLogger):
 
 def _logger_factory(*args) -> _NamedPrintLogger:
     return _NamedPrintLogger(sys.stderr, args[0] if args else "")
+
+
+if not structlog.is_configured():  # before configure_logging: still stderr, never stdout
+    structlog.configure(logger_factory=_logger_factory)

@@ -17,8 +17,10 @@ without a host sync: every call launches
    shapes alone, surplus programs exit at once.
 
 Both attention kernels gather K/V token rows through the block table (PagedAttention, Kwon et
-al. 2023, section 4.1), so a K/V tile may span several physical blocks and block_size only needs
-to divide nothing. Scores use ``exp2`` with ``scale * log2(e)`` folded in. Accumulation is fp32.
+al. 2023, section 4.1), so one K/V tile (TILE_N tokens) may span several physical blocks and its
+size is independent of block_size. Head groups and head_dim are padded to powers of two so that
+``tl.dot`` sees dimensions >= 16; the padding is masked. Scores use ``exp2`` with ``scale * log2(e)`` folded in; softmax
+statistics and accumulators are fp32.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def _mma(a, b, F32: tl.constexpr):
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr,
-    qk_scale, num_heads, num_partitions,
+    qk_scale, num_heads, num_partitions, partition,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
@@ -70,20 +72,23 @@ def _decode_kernel(
     stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, PARTITION: tl.constexpr,
-    F32: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, F32: tl.constexpr,
 ):
-    """One program: one decode sequence, one KV head (its GROUP query heads), one partition."""
+    """One program: one decode sequence, one KV head (its GROUP query heads), one partition.
+
+    ``partition`` (tokens, a multiple of TILE_N) is a runtime value: it follows the batch size,
+    and a constexpr would recompile the kernel whenever that changes.
+    """
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
-    ctx_start = part * PARTITION
+    ctx_start = part * partition
     if (q_len != 1) | (ctx_start >= seq_len):
         return
-    ctx_end = tl.minimum(seq_len, ctx_start + PARTITION)
+    ctx_end = tl.minimum(seq_len, ctx_start + partition)
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -119,7 +124,7 @@ def _decode_kernel(
         acc = acc * alpha[:, None] + _mma(p, v, F32)
         m_i = m_new
 
-    if seq_len <= PARTITION:
+    if seq_len <= partition:
         # The whole context fit one partition: final output, no reduce needed.
         o = acc / l_i[:, None]
         tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
@@ -136,10 +141,9 @@ def _decode_kernel(
 @triton.jit
 def _decode_reduce_kernel(
     out_ptr, seq_lens_ptr, query_start_loc_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-    num_heads, num_partitions,
+    num_heads, num_partitions, partition,
     stride_ot, stride_oh, stride_od,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    PARTITION: tl.constexpr, PARTS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PARTS_PAD: tl.constexpr,
 ):
     """One program: one decode sequence, one query head. Merges the partitions' partial softmax."""
     seq = tl.program_id(0)
@@ -147,7 +151,7 @@ def _decode_reduce_kernel(
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
-    n_parts = tl.cdiv(seq_len, PARTITION)
+    n_parts = tl.cdiv(seq_len, partition)
     if (q_len != 1) | (n_parts <= 1):
         return  # not decode, or already written by _decode_kernel
 
@@ -387,14 +391,14 @@ def paged_attention(
         part_m = part_l = part_acc = torch.empty(1, dtype=torch.float32, device=q.device)
     _decode_kernel[(num_seqs, num_kv_heads, num_partitions)](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
-        part_m, part_l, part_acc, qk_scale, num_heads, num_partitions, *common_strides,
+        part_m, part_l, part_acc, qk_scale, num_heads, num_partitions, partition, *common_strides,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, TILE_N=tile_n,
-        PARTITION=partition, F32=f32, num_warps=4, num_stages=2 if big_head else 3)
+        F32=f32, num_warps=4, num_stages=2 if big_head else 3)
     if num_partitions > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, seq_lens, query_start_loc, part_m, part_l, part_acc, num_heads, num_partitions,
-            *out.stride(), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, PARTITION=partition,
+            partition, *out.stride(), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
             PARTS_PAD=triton.next_power_of_2(num_partitions), num_warps=4)
 
     # Prefill / extend: FlashAttention-2 query tiles of BLOCK_M = BLOCK_Q × GROUP_PAD rows.
@@ -408,5 +412,6 @@ def paged_attention(
         qk_scale, num_seqs, *common_strides,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, TILE_N=tile_n,
-        F32=f32, num_warps=8 if head_dim_pad >= 128 else 4, num_stages=2)
+        F32=f32, num_warps=8 if head_dim_pad >= 128 else 4,
+        num_stages=1 if k_cache.dtype == torch.float32 else 2)  # fp32 tiles: bound shared memory
     return out

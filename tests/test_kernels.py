@@ -1,8 +1,8 @@
 """The Triton kernels agree with the PyTorch reference (`kernels.reference`), run interpreted on CPU.
 
 TRITON_INTERPRET=1 must be in place when the kernel modules are imported (``@triton.jit`` reads it
-then) and while they first run (triton imports more modules lazily), so this module sets it at
-import and restores the previous environment when its tests are done.
+then) and while they first run (triton imports more modules lazily), so this module sets it
+around its import and around its tests, and restores the previous environment in between.
 
 Tolerances (max abs difference against the fp32 reference on the same rounded inputs, outputs of
 magnitude ~1): fp32 2e-5 (summation order only); fp16 2e-3 and bf16 2e-2, i.e. about two units in
@@ -21,19 +21,28 @@ import torch
 
 from kernels import reference
 
-_saved_interpret = os.environ.get("TRITON_INTERPRET")
+_SAVED_INTERPRET = os.environ.get("TRITON_INTERPRET")
+
+
+def _restore_interpret_env():
+    if _SAVED_INTERPRET is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _SAVED_INTERPRET
+
+
 os.environ["TRITON_INTERPRET"] = "1"
-triton_kernels = pytest.importorskip("kernels.triton_kernels")
+try:
+    triton_kernels = pytest.importorskip("kernels.triton_kernels")
+finally:
+    _restore_interpret_env()  # collection must not leak it into other modules' worker processes
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _restore_interpret_env():
+def _interpret_while_these_tests_run():
     os.environ["TRITON_INTERPRET"] = "1"
     yield
-    if _saved_interpret is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _saved_interpret
+    _restore_interpret_env()
 
 
 ATOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}

@@ -142,6 +142,11 @@ class KVCacheManager:
             self._cache_full_blocks(request, num_computed + num_new_tokens)
         return new_ids
 
+    def num_blocks_to_allocate(self, request: Request, num_new_tokens: int) -> int:
+        """Free blocks `allocate_slots` would take for a running request (new blocks + a copy)."""
+        num_required = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(request.block_table)
+        return max(num_required, 0) + (self._shared_write_block(request, num_new_tokens) is not None)
+
     def _shared_write_block(self, request: Request, num_new_tokens: int) -> tuple[int, Block] | None:
         """(table index, block) when the first new token would be written into a shared block."""
         index = request.num_computed_tokens // self.block_size

@@ -41,7 +41,8 @@ class Request:
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                 arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None):
+                 arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
+                 group: list[Request] | None = None, index: int = 0):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)  # prompt + output
@@ -57,6 +58,13 @@ class Request:
         self.num_preemptions = 0
         self.error: str | None = None
         self.first_token_time: float | None = None
+        # Sharing (n > 1, beam search): the sibling sequences of one user request share this list,
+        # are preempted together, and fork from a leader. ``index`` is the choice index.
+        self.group: list[Request] = group if group is not None else []
+        self.group.append(self)
+        self.index = index
+        self.pending_forks: list[Request] = []  # siblings forked once the prompt minus 1 is computed
+        self.unsent_token_ids: list[int] = []  # tokens the control plane chose (beam search)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -73,6 +81,11 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def fork_point(self) -> int:
+        """Tokens computed once before siblings fork: all but the prompt's last token."""
+        return self.num_prompt_tokens - 1
 
     @property
     def is_finished(self) -> bool:

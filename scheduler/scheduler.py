@@ -44,7 +44,10 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
+        """Queue a request; its ``pending_forks`` siblings join when it reaches its fork point."""
         self.requests[request.request_id] = request
+        for child in request.pending_forks:
+            self.requests[child.request_id] = child
         self.waiting.append(request)
 
     @property
@@ -53,49 +56,73 @@ class Scheduler:
 
     def schedule(self) -> ScheduledStep:
         budget = self.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        new_reqs: list[NewRequestData] = []
-        cached_reqs: list[CachedRequestData] = []
+        chosen: dict[str, tuple[Request, int, int]] = {}  # id -> (request, tokens, blocks it takes)
         preempted: list[Request] = []
 
-        # 1. running requests, oldest admission first
+        # 1. running requests, oldest admission first. Blocks are counted first and allocated
+        # after, so a preempted group never leaves half-scheduled members behind.
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while (new_blocks := self.kv.allocate_slots(req, n)) is None:
-                victim = self.running.pop()  # the most recently admitted
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is req:
+            n = self._num_new_tokens(req, budget)
+            if n == 0:  # a beam waiting for its siblings' results
+                i += 1
+                continue
+            blocks = self.kv.num_blocks_to_allocate(req, n)
+            while sum(c[2] for c in chosen.values()) + blocks > self.kv.num_free_blocks:
+                for victim in self._group_running(self.running[-1]):  # the most recently admitted
+                    if (c := chosen.pop(victim.request_id, None)) is not None:
+                        budget += c[1]
+                    self._preempt(victim)
+                    preempted.append(victim)
+                if req.status != RequestStatus.RUNNING:
                     break
-            if new_blocks is None:
+            if req.status != RequestStatus.RUNNING:
                 break  # req preempted itself; everything after it is gone too
-            num_scheduled[req.request_id] = n
+            chosen[req.request_id] = (req, n, blocks)
             budget -= n
+            i = self.running.index(req) + 1  # group preemption may have removed earlier members
+
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        num_scheduled: dict[str, int] = {}
+        for req, n, _ in chosen.values():
+            new_blocks = self.kv.allocate_slots(req, n)
+            assert new_blocks is not None, "blocks were counted before allocation"
+            num_scheduled[req.request_id] = n
             if req.in_worker:
                 replaced = self.kv.replaced_blocks.pop(req.request_id, [])
-                cached_reqs.append(CachedRequestData(req.request_id, new_blocks, n, replaced_block_ids=replaced))
-            else:  # resumed after preemption within the running queue (not reachable today)
+                cached_reqs.append(CachedRequestData(req.request_id, new_blocks, n, req.unsent_token_ids,
+                                                     replaced))
+                req.unsent_token_ids = []
+            else:  # forked this step (n > 1, beam search): the worker gets it whole
                 new_reqs.append(self._new_request_data(req, n))
-            i += 1
 
-        # 2. admit waiting requests FCFS, unless this step already had to preempt
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
-            hits = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
-            n = min(req.num_tokens - req.num_computed_tokens - len(hits) * self.kv.block_size, budget)
-            if self.kv.allocate_slots(req, n, hits) is None:
-                break  # FCFS: nobody overtakes the head of the queue
-            self.waiting.popleft()
-            if req.num_preemptions == 0:
-                req.num_cached_tokens = len(hits) * self.kv.block_size
-                self.kv.record_prefix_query(req.num_prompt_tokens, req.num_cached_tokens)
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            num_scheduled[req.request_id] = n
-            budget -= n
-            new_reqs.append(self._new_request_data(req, n))
+        # 2. admit waiting requests FCFS, unless this step already had to preempt; a group of
+        # siblings is admitted all together or not at all
+        while not preempted and self.waiting and budget > 0:
+            group = self._group_waiting(self.waiting[0])
+            if len(self.running) + len(group) > self.max_num_seqs:
+                break
+            if len(group) > 1 and sum(self.kv.blocks_needed(m.num_tokens) for m in group) > self.kv.num_free_blocks:
+                break
+            for req in group:
+                hits = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
+                n = self._num_new_tokens(req, budget, len(hits) * self.kv.block_size)
+                if self.kv.allocate_slots(req, n, hits) is None:
+                    break  # only a lone request can fail here: FCFS, nobody overtakes it
+                self.waiting.remove(req)
+                if req.num_preemptions == 0:
+                    req.num_cached_tokens = len(hits) * self.kv.block_size
+                    self.kv.record_prefix_query(req.num_prompt_tokens, req.num_cached_tokens)
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                num_scheduled[req.request_id] = n
+                budget -= n
+                new_reqs.append(self._new_request_data(req, n))
+            else:
+                continue
+            break
 
         self._step_id += 1
         plan = StepPlan(step_id=self._step_id, new_requests=new_reqs, cached_requests=cached_reqs,
@@ -104,14 +131,33 @@ class Scheduler:
         self._finished_ids = []
         return ScheduledStep(plan, num_scheduled, preempted)
 
+    def _num_new_tokens(self, req: Request, budget: int, num_cached: int = 0) -> int:
+        """Tokens to compute this step: the rest, within the budget; a group leader stops at its fork point."""
+        computed = req.num_computed_tokens + num_cached
+        end = req.fork_point if req.pending_forks else req.num_tokens
+        return max(min(end - computed, budget), 0)
+
+    def _group_waiting(self, req: Request) -> list[Request]:
+        """``req`` and its siblings in the waiting queue (not those still waiting to be forked)."""
+        if len(req.group) == 1:
+            return [req]
+        queued = set(map(id, self.waiting))
+        return [m for m in req.group if m.status == RequestStatus.WAITING and id(m) in queued]
+
+    def _group_running(self, req: Request) -> list[Request]:
+        """``req`` and its running siblings: preemption takes a group all or nothing."""
+        return [m for m in req.group if m.status == RequestStatus.RUNNING] or [req]
+
     def _new_request_data(self, req: Request, n: int) -> NewRequestData:
         req.in_worker = True
+        req.unsent_token_ids = []  # the whole token list travels
         self.kv.replaced_blocks.pop(req.request_id, None)  # the worker gets the whole table
         return NewRequestData(req.request_id, list(req.token_ids), req.num_prompt_tokens,
                               list(req.block_table), req.num_computed_tokens, n, req.sampling)
 
     def _preempt(self, req: Request) -> None:
         """Recompute preemption: free every block, requeue at the head of the waiting queue."""
+        self.running.remove(req)
         self.kv.free(req)
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
@@ -125,19 +171,40 @@ class Scheduler:
             req.in_worker = False
 
     def advance(self, step: ScheduledStep) -> None:
-        """Apply a completed step: each scheduled request computed its scheduled tokens."""
+        """Apply a completed step: each scheduled request computed its scheduled tokens.
+
+        A group leader that reached its fork point forks its siblings now: they share its blocks
+        (reference counts up) and each computes the prompt's last token itself next step.
+        """
         for rid, n in step.num_scheduled_tokens.items():
             req = self.requests.get(rid)
             if req is not None and req.status == RequestStatus.RUNNING:
                 req.num_computed_tokens += n
+                if req.pending_forks and req.num_computed_tokens == req.fork_point:
+                    self.fork(req, req.pending_forks)
+                    req.pending_forks = []
+
+    def fork(self, parent: Request, children: list[Request]) -> None:
+        """Start ``children`` from the parent's blocks and progress, right behind it in its queue."""
+        queue = self.running if parent.status == RequestStatus.RUNNING else self.waiting
+        at = list(queue).index(parent) + 1
+        for k, child in enumerate(children):
+            self.kv.fork(parent, child)
+            child.status = parent.status
+            self.requests[child.request_id] = child
+            queue.insert(at + k, child)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """End a request for good: free its blocks, tell the worker, forget it."""
         assert status.finished
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
-        elif req.status == RequestStatus.WAITING:
+        elif req in self.waiting:
             self.waiting.remove(req)
+        else:  # a sibling not forked yet
+            for m in req.group:
+                if req in m.pending_forks:
+                    m.pending_forks.remove(req)
         req.status = status
         self.kv.free(req)
         self.kv.forget(req)

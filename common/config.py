@@ -156,6 +156,7 @@ class EngineConfig(msgspec.Struct):
     max_logprobs: int = 20
     worker_timeout: float = 120.0
     attention_backend: str | None = None  # None: triton on CUDA, torch on CPU
+    kv_allocator: str = "paged"  # paged | contiguous (the pre-paging baseline `pagedkv bench` compares)
 
 
 def resolve_max_model_len(model: ModelConfig, requested: int | None) -> int:

@@ -21,6 +21,7 @@ from common.log import get_logger
 from common.protocol import StepResult
 from common.sampling_params import SamplingParams
 from scheduler.detokenizer import IncrementalDetokenizer
+from scheduler.contiguous_allocator import ContiguousAllocator
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.metrics import Metrics
 from scheduler.request import Request, RequestStatus
@@ -83,8 +84,11 @@ class Engine:
         self.max_model_len = resolve_max_model_len(model_config, config.max_model_len)
         self.random_weights = model_config.path is None or config.load_format == "dummy"
         self.num_cpu_blocks = num_cpu_blocks
-        self.kv = KVCacheManager(num_gpu_blocks, config.block_size, config.enable_prefix_caching,
-                                 config.prefix_caching_hash_algo)
+        if config.kv_allocator == "contiguous":  # the pre-paging baseline, for `pagedkv bench`
+            self.kv = ContiguousAllocator(num_gpu_blocks, config.block_size, self.max_model_len)
+        else:
+            self.kv = KVCacheManager(num_gpu_blocks, config.block_size, config.enable_prefix_caching,
+                                     config.prefix_caching_hash_algo)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.metrics = Metrics(model_config.name)
         self._streams: dict[str, _Stream] = {}
@@ -156,6 +160,9 @@ class Engine:
         return self._iterate(stream)
 
     def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if self.config.kv_allocator == "contiguous" and (params.n > 1 or params.use_beam_search):
+            raise ValueError("n: the contiguous KV allocator cannot share blocks; n > 1 and beam search "
+                             "need --kv-allocator paged")
         params.validate(max_logprobs=self.config.max_logprobs, max_n=1)
         n = len(prompt_token_ids)
         if n == 0:

@@ -60,7 +60,7 @@ class BeamSearch:
         generated = len(next(iter(outputs.values()))) + 1  # tokens per beam after this step
         candidates = sorted(
             ((self.cum_logprob[b] + lp, b, tok) for b in self.cum_logprob for tok, lp in self.reports[b]),
-            key=lambda c: -c[0])[: 2 * self.width]
+            key=lambda c: -c[0])[: max(2, 1 + len(self.eos)) * self.width]
         self.reports.clear()
         at_max = generated >= self.max_tokens
         chosen: list[tuple[float, str, int]] = []

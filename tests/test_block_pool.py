@@ -94,7 +94,12 @@ def test_freed_cached_blocks_are_evicted_least_recently_used_first():
 
 
 class KVCacheMachine(RuleBasedStateMachine):
-    """Random allocate / append / prefix-hit / preempt / free / evict sequences."""
+    """Random allocate / fork / append (with copy-on-write) / preempt / free / evict sequences.
+
+    Checked after every step: each block's ref count equals the number of block tables holding it,
+    free + referenced = total, nothing is both free and referenced, every cached hash maps back to
+    its block, and every copy-on-write went into a block owned by exactly one table.
+    """
 
     def __init__(self):
         super().__init__()
@@ -102,10 +107,14 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.live: dict[str, Request] = {}
         self.n = 0
 
+    def _new(self, tokens):
+        req = Request(f"r{self.n}", tokens, SamplingParams())
+        self.n += 1
+        return req
+
     @rule(prompt=st.lists(st.integers(0, 3), min_size=1, max_size=20))
     def admit(self, prompt):
-        req = Request(f"r{self.n}", prompt, SamplingParams())
-        self.n += 1
+        req = self._new(prompt)
         hits = self.kv.find_cached_prefix(req)
         todo = req.num_tokens - len(hits) * BLOCK_SIZE
         if self.kv.allocate_slots(req, todo, hits) is not None:
@@ -113,6 +122,16 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.live[req.request_id] = req
         else:
             assert req.block_table == []
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = self.live[data.draw(st.sampled_from(sorted(self.live)))]
+        child = self._new(parent.prompt_token_ids)
+        child.token_ids = list(parent.token_ids)
+        self.kv.fork(parent, child)
+        assert child.block_table == parent.block_table
+        self.live[child.request_id] = child
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), token=st.integers(0, 3))
@@ -123,9 +142,14 @@ class KVCacheMachine(RuleBasedStateMachine):
         if self.kv.allocate_slots(req, 1) is not None:
             req.num_computed_tokens += 1
             assert len(req.block_table) == -(-req.num_tokens // BLOCK_SIZE)
+            written = self.kv.pool.blocks[req.block_table[(req.num_tokens - 1) // BLOCK_SIZE]]
+            assert written.ref_cnt == 1, "a write into a shared block without copy-on-write"
+            for src, dst in self.kv.take_pending_copies():
+                assert src in before and src not in req.block_table and dst in req.block_table
+            self.kv.replaced_blocks.pop(req.request_id, None)
         else:
             req.token_ids.pop()
-            assert req.block_table == before
+            assert req.block_table == before and not self.kv.pending_copies
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -137,9 +161,24 @@ class KVCacheMachine(RuleBasedStateMachine):
     @invariant()
     def pool_is_consistent(self):
         self.kv.pool.check_invariants([r.block_table for r in self.live.values()])
-        used = sum(-(-r.num_tokens // BLOCK_SIZE) for r in self.live.values())
-        assert used >= NUM_BLOCKS - self.kv.num_free_blocks  # sharing only saves blocks
 
 
 TestKVCacheMachine = KVCacheMachine.TestCase
-TestKVCacheMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestKVCacheMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+
+
+def test_fork_shares_every_block_and_the_first_write_copies_only_the_partial_one():
+    kv = KVCacheManager(8, block_size=4)
+    parent = Request("p", [1, 2, 3, 4, 5, 6], SamplingParams())
+    kv.allocate_slots(parent, 6)
+    parent.num_computed_tokens = 6
+    child = Request("c", [1, 2, 3, 4, 5, 6], SamplingParams())
+    kv.fork(parent, child)
+    assert [kv.pool.blocks[b].ref_cnt for b in parent.block_table] == [2, 2]
+    child.token_ids.append(9)
+    assert kv.allocate_slots(child, 1) == []
+    assert child.block_table == [0, 2] and kv.take_pending_copies() == [(1, 2)]
+    assert kv.replaced_blocks == {"c": [(1, 2)]}
+    parent.token_ids.append(7)
+    assert kv.allocate_slots(parent, 1) == [] and kv.pending_copies == []  # sole owner now: no copy
+    kv.pool.check_invariants([parent.block_table, child.block_table])

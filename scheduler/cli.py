@@ -249,6 +249,21 @@ def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     return _run(_generate(args, config, prompts))
 
 
+# ---- bench ----------------------------------------------------------------------------------
+
+def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from scheduler import bench
+
+    bench.check_args(args, parser)
+    config = _engine_config(args, parser)
+    model = ModelConfig.load(args.model)
+    configure_logging(args.log_format, args.log_level)
+    try:
+        return bench.main(args, config, resolve_max_model_len(model, args.max_model_len), model.vocab_size)
+    except ValueError as e:  # a malformed trace file
+        parser.error(f"--trace: {e}")
+
+
 # ---- worker, capacity -----------------------------------------------------------------------
 
 def _cmd_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -306,6 +321,14 @@ def build_parser() -> argparse.ArgumentParser:
     work.add_argument("--log-format", choices=["console", "json"], default="console")
     work.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     work.set_defaults(handler=_cmd_worker)
+
+    bench = sub.add_parser("bench", help="replay a request trace; throughput, latency and KV memory efficiency",
+                           description="Replay a trace (the Azure LLM inference traces 2023 or any CSV with "
+                                       "TIMESTAMP, ContextTokens, GeneratedTokens) against an in-process engine or "
+                                       "a running server (--url); write JSON, Markdown and PNG reports.")
+    _add_engine_args(bench)
+    importlib.import_module("scheduler.bench").add_arguments(bench)
+    bench.set_defaults(handler=_cmd_bench, log_level="warning")
 
     capacity = _capacity_module()
     if capacity is not None:

@@ -1,0 +1,760 @@
+"""``pagedkv bench``: replay a request trace and measure throughput, latency and KV memory efficiency.
+
+A trace is a CSV with columns TIMESTAMP, ContextTokens, GeneratedTokens (the Azure LLM inference
+traces 2023: Patel et al., "Splitwise: Efficient generative LLM inference using phase splitting",
+ISCA 2024; CC-BY 4.0). Each row becomes one request: a prompt of random token ids of the
+(scaled) context length and ``max_tokens`` = the (scaled) generated length with EOS ignored, as
+the trace's README prescribes. Arrivals follow the trace's timestamps (times ``--time-scale``) or a
+Poisson process at ``--request-rate``.
+
+KV token-state accounting (PagedAttention, Kwon et al., SOSP 2023, §3, Fig. 2), in token slots,
+sampled after every engine step (in-process) or by polling ``/kv_cache`` (``--url``):
+
+- pool = num_gpu_blocks x block_size; allocated = slots of blocks held by live requests
+  (each physical block once); free = pool - allocated.
+- For a request with c computed tokens that will hold F = min(prompt + max_tokens, max_model_len)
+  - 1 tokens' K/V at the end (the last sampled token is never fed back), the slots of its blocks
+  in logical order are: token state (index < c), reservation (c <= index < F: slots for tokens it
+  will compute but has not yet), internal fragmentation (index >= F: slots it will never fill,
+  the over-reservation of the contiguous baseline, or the unfilled tail of the last block with
+  paging). A block shared by several requests counts once, each slot in its best class.
+- external fragmentation = free slots in free runs shorter than the blocks the head of the
+  waiting queue needs to be admitted (0 when nothing waits; 0 with paging by construction, since
+  paging needs one block at a time from anywhere).
+
+Identities (checked exactly, in integer slots): token_state + reservation + internal = allocated,
+allocated + free = pool, 0 <= external <= free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import json
+import math
+import os
+import random
+import sys
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+TRACE_NAMES = {"conv": "AzureLLMInferenceTrace_conv.csv", "code": "AzureLLMInferenceTrace_code.csv"}
+ATTRIBUTION = ("Azure LLM inference trace 2023 (github.com/Azure/AzurePublicDataset, CC-BY 4.0): Patel et al., "
+               "\"Splitwise: Efficient generative LLM inference using phase splitting\", ISCA 2024.")
+
+
+# ---- the trace --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TraceRow:
+    """One trace row: arrival in seconds since the trace's first row, token counts as recorded."""
+
+    arrival: float
+    context_tokens: int
+    generated_tokens: int
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """One request to replay: arrival offset (seconds), prompt and output lengths (tokens)."""
+
+    index: int
+    arrival: float
+    prompt_len: int
+    max_tokens: int
+
+
+def default_trace_dir() -> Path:
+    """$PAGEDKV_TRACES, else ../shared/traces/azure-llm-2023 next to the repository."""
+    env = os.environ.get("PAGEDKV_TRACES")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "shared/traces/azure-llm-2023"
+
+
+def resolve_trace(trace: str) -> Path:
+    """``conv`` / ``code`` name the Azure traces; anything else is a CSV path. Raises FileNotFoundError."""
+    path = default_trace_dir() / TRACE_NAMES[trace] if trace in TRACE_NAMES else Path(trace)
+    if not path.is_file():
+        raise FileNotFoundError(f"trace {trace!r}: no file at {path}")
+    return path
+
+
+def _parse_time(s: str) -> float:
+    """Seconds since the epoch of '2023-11-16 18:17:03.9799600' (more fraction digits than strptime takes)."""
+    base, _, frac = s.strip().partition(".")
+    return datetime.strptime(base, "%Y-%m-%d %H:%M:%S").timestamp() + (float("0." + frac) if frac else 0.0)
+
+
+def load_trace(path: Path) -> list[TraceRow]:
+    """Every row of a trace CSV. Raises ValueError naming the file when a column is missing or bad."""
+    rows = []
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        missing = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} - set(reader.fieldnames or [])
+        if missing:
+            raise ValueError(f"{path}: missing column(s) {sorted(missing)}")
+        t0 = None
+        for line, rec in enumerate(reader, start=2):
+            try:
+                t = _parse_time(rec["TIMESTAMP"])
+                c, g = int(rec["ContextTokens"]), int(rec["GeneratedTokens"])
+            except ValueError as e:
+                raise ValueError(f"{path}:{line}: {e}") from None
+            t0 = t if t0 is None else t0
+            rows.append(TraceRow(t - t0, c, g))
+    if not rows:
+        raise ValueError(f"{path}: no rows")
+    return rows
+
+
+def percentile(values: list[float], p: float) -> float | None:
+    """The p-th percentile (0..100) with linear interpolation; None for no values."""
+    if not values:
+        return None
+    v = sorted(values)
+    k = (len(v) - 1) * p / 100
+    lo = math.floor(k)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+def auto_token_scale(rows: list[TraceRow], max_model_len: int) -> float:
+    """max_model_len / the 99th percentile of context + generated tokens over the whole trace."""
+    return max_model_len / percentile([r.context_tokens + r.generated_tokens for r in rows], 99)
+
+
+def build_requests(rows: list[TraceRow], num_requests: int, max_model_len: int, token_scale: float, *,
+                   time_scale: float = 1.0, request_rate: float | None = None, seed: int = 0
+                   ) -> tuple[list[BenchRequest], int]:
+    """The first ``num_requests`` rows as requests, token counts times ``token_scale``.
+
+    Each length is rounded and at least 1; a request still longer than max_model_len has its
+    prompt cut to fit (counted in the second return value). Arrivals: the trace's offsets times
+    ``time_scale``, or Poisson at ``request_rate`` requests/s (math.inf: all at once).
+    """
+    rng = random.Random(seed)
+    out, clipped, t = [], 0, 0.0
+    for i, r in enumerate(rows[:num_requests]):
+        m = min(max(1, round(r.generated_tokens * token_scale)), max_model_len - 1)
+        p = max(1, round(r.context_tokens * token_scale))
+        if p + m > max_model_len:
+            p, clipped = max_model_len - m, clipped + 1
+        if request_rate is None:
+            arrival = r.arrival * time_scale
+        else:
+            arrival = t
+            t += 0.0 if math.isinf(request_rate) else rng.expovariate(request_rate)
+        out.append(BenchRequest(i, arrival, p, m))
+    return out, clipped
+
+
+def random_prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]:
+    """``length`` token ids drawn uniformly from [0, vocab_size)."""
+    return [rng.randrange(vocab_size) for _ in range(length)]
+
+
+# ---- KV token-state accounting ----------------------------------------------------------------
+
+@dataclass
+class KVSample:
+    """KV slot accounting at one instant (see the module docstring); sizes in token slots."""
+
+    t: float
+    pool: int
+    allocated: int
+    token_state: int
+    reservation: int
+    internal: int
+    external: int
+    free: int
+    running: int
+    waiting: int
+
+
+def account_kv(t: float, block_size: int, num_blocks: int, num_free_blocks: int,
+               holders: list[tuple[list[int], int, int]], free_runs, head_need_blocks: int,
+               running: int, waiting: int) -> KVSample:
+    """Classify every slot of the pool. holders: (block table, computed tokens, final tokens) per live
+    request; free_runs: a callable giving the free runs' lengths in blocks (only called when
+    something waits); head_need_blocks: blocks the head of the waiting queue needs (0: none waits).
+    """
+    bs = block_size
+    state = fill = alloc = 0
+    if sum(len(tb) for tb, _, _ in holders) == num_blocks - num_free_blocks:
+        for table, c, f in holders:  # no block is shared: per-request arithmetic
+            cap = len(table) * bs
+            alloc += cap
+            state += min(c, cap)
+            fill += min(max(f, c), cap)
+    else:  # shared blocks (prefix cache, n > 1): each physical block once, its slots in their best class
+        per_block: dict[int, list[int]] = {}
+        for table, c, f in holders:
+            for i, b in enumerate(table):
+                s, r = min(bs, max(0, c - i * bs)), min(bs, max(0, f - i * bs, c - i * bs))
+                cur = per_block.setdefault(b, [0, 0])
+                cur[0], cur[1] = max(cur[0], s), max(cur[1], r)
+        alloc = len(per_block) * bs
+        state = sum(s for s, _ in per_block.values())
+        fill = sum(r for _, r in per_block.values())
+    external = 0
+    if head_need_blocks > 1:
+        external = sum(n for n in free_runs() if n < head_need_blocks) * bs
+    pool = num_blocks * bs
+    return KVSample(t, pool, alloc, state, fill - state, alloc - fill, external, pool - alloc, running, waiting)
+
+
+def _final_tokens(prompt_len: int, max_tokens: int, max_model_len: int) -> int:
+    return min(prompt_len + max_tokens, max_model_len) - 1
+
+
+def sample_engine(engine, t: float) -> KVSample:
+    """Account the in-process engine's KV pool right now."""
+    kv, sched = engine.kv, engine.scheduler
+    holders = [(r.block_table, r.num_computed_tokens,
+                _final_tokens(r.num_prompt_tokens, r.sampling.max_tokens, engine.max_model_len))
+               for r in sched.requests.values() if r.block_table and r.status.value != "swapped"]
+    need = 0
+    if sched.waiting:
+        need = kv.reservation_blocks(sched.waiting[0]) if hasattr(kv, "reservation_blocks") else 1
+    runs = (lambda: [n for _, n in kv.pool.free_runs()]) if hasattr(kv.pool, "free_runs") else (lambda: [])
+    return account_kv(t, kv.block_size, kv.num_gpu_blocks, kv.num_free_blocks, holders, runs, need,
+                      len(sched.running), len(sched.waiting))
+
+
+def sample_snapshot(snap: dict, t: float, max_model_len: int) -> KVSample:
+    """Account a ``/kv_cache`` snapshot (`Engine.kv_cache_snapshot`)."""
+    bs = snap["block_size"]
+    reqs = snap["requests"]
+    holders = [(r["block_table"], r["num_computed_tokens"],
+                _final_tokens(r["num_prompt_tokens"], r["max_tokens"], max_model_len))
+               for r in reqs if r["block_table"] and r["status"] != "swapped"]
+    head = next((r for r in reqs if r["status"] == "waiting"), None)
+    need = 0
+    if head is not None:
+        need = 1
+        if snap.get("allocator") == "contiguous":
+            need = -(-max(min(head["num_prompt_tokens"] + head["max_tokens"], max_model_len), head["num_tokens"]) // bs)
+    runs = lambda: [n for _, n in snap.get("free_runs", [])]  # noqa: E731
+    return account_kv(t, bs, snap["num_gpu_blocks"], snap["num_free_blocks"], holders, runs, need,
+                      snap["num_requests_running"], snap["num_requests_waiting"])
+
+
+def summarize_kv(samples: list[KVSample]) -> dict:
+    """Totals over samples (slot-samples, so busier instants weigh more) and the derived fractions.
+
+    utilization = token_state / allocated; each waste is also given as a fraction of allocated
+    (reservation, internal) or of the pool (external, free), with token state / pool.
+    """
+    keys = ("pool", "allocated", "token_state", "reservation", "internal", "external", "free")
+    tot = {k: sum(getattr(s, k) for s in samples) for k in keys}
+    busy = [s for s in samples if s.allocated]
+    a, p = tot["allocated"] or 1, tot["pool"] or 1
+    return {
+        "num_samples": len(samples),
+        "slot_totals": tot,
+        "utilization": tot["token_state"] / a,
+        "reservation_frac": tot["reservation"] / a,
+        "internal_frac": tot["internal"] / a,
+        "external_frac_of_pool": tot["external"] / p,
+        "token_state_frac_of_pool": tot["token_state"] / p,
+        "allocated_frac_of_pool": tot["allocated"] / p,
+        "mean_step_utilization": sum(s.token_state / s.allocated for s in busy) / len(busy) if busy else None,
+    }
+
+
+# ---- running a benchmark ----------------------------------------------------------------------
+
+@dataclass
+class RequestRecord:
+    """What one request experienced, in seconds since the run's start."""
+
+    index: int
+    prompt_len: int
+    max_tokens: int
+    submit: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+    finish: float | None = None
+    output_tokens: int = 0
+    error: str | None = None
+
+
+async def _replay(requests: list[BenchRequest], run_one, progress: bool, desc: str) -> tuple[list[RequestRecord], float]:
+    """Submit each request at its arrival time; returns the records and the run's start (loop time)."""
+    from tqdm import tqdm
+
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    bar = tqdm(total=len(requests), desc=desc, unit="req", file=sys.stderr, disable=not progress, leave=False)
+    records = [RequestRecord(r.index, r.prompt_len, r.max_tokens) for r in requests]
+
+    async def one(req: BenchRequest, rec: RequestRecord):
+        rec.submit = loop.time() - start
+        try:
+            await run_one(req, rec, lambda: loop.time() - start)
+        except Exception as e:  # a failed request is reported, not fatal to the run
+            rec.error = f"{type(e).__name__}: {e}"
+        if rec.finish is None:
+            rec.finish = loop.time() - start
+        bar.update(1)
+
+    tasks = []
+    for req, rec in zip(requests, records):
+        delay = start + req.arrival - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(req, rec)))
+    await asyncio.gather(*tasks)
+    bar.close()
+    return records, start
+
+
+def _latency_stats(values: list[float]) -> dict:
+    return {f"p{p}": percentile(values, p) for p in (50, 90, 99)} | {
+        "mean": sum(values) / len(values) if values else None}
+
+
+def summarize_run(records: list[RequestRecord], samples: list[KVSample], num_preemptions: int) -> dict:
+    """Throughput (requests/s, output tokens/s), TTFT/ITL/E2E percentiles (s), concurrency, KV accounting."""
+    ok = [r for r in records if r.error is None]
+    t0 = min((r.submit for r in records), default=0.0)
+    t1 = max((r.finish for r in records), default=0.0)
+    duration = max(t1 - t0, 1e-9)
+    out_tokens = sum(r.output_tokens for r in ok)
+    ttft = [r.token_times[0] - r.submit for r in ok if r.token_times]
+    itl = [b - a for r in ok for a, b in zip(r.token_times, r.token_times[1:])]
+    e2e = [r.finish - r.submit for r in ok]
+    running = [s.running for s in samples]
+    return {
+        "num_requests": len(records),
+        "num_completed": len(ok),
+        "num_errors": len(records) - len(ok),
+        "errors": sorted({r.error for r in records if r.error})[:5],
+        "duration_s": duration,
+        "prompt_tokens": sum(r.prompt_len for r in ok),
+        "output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration,
+        "output_token_throughput": out_tokens / duration,
+        "ttft_s": _latency_stats(ttft),
+        "itl_s": _latency_stats(itl),
+        "e2e_s": _latency_stats(e2e),
+        "peak_running": max(running, default=0),
+        "mean_running": sum(running) / len(running) if running else 0.0,
+        "num_preemptions": num_preemptions,
+        "kv": summarize_kv(samples),
+    }
+
+
+async def run_in_process(config, requests: list[BenchRequest], *, seed: int = 0, progress: bool = True,
+                         desc: str = "bench") -> dict:
+    """Start an engine with ``config`` (an EngineConfig), replay ``requests``, shut it down.
+
+    The KV pool is accounted after every engine step (the scheduler's ``advance`` is wrapped for
+    the run). Returns `summarize_run`'s dict plus the engine's setup and the samples.
+    """
+    from common.sampling_params import SamplingParams
+    from scheduler.engine import Engine
+
+    engine = await Engine.start(config)
+    try:
+        loop = asyncio.get_running_loop()
+        samples: list[KVSample] = []
+        clock = {"start": loop.time()}
+        advance = engine.scheduler.advance
+
+        def advance_and_sample(step):  # after the step's tokens are computed, before finished requests free
+            advance(step)
+            samples.append(sample_engine(engine, loop.time() - clock["start"]))
+
+        engine.scheduler.advance = advance_and_sample
+        rng = random.Random(seed)
+        prompts = [random_prompt(rng, r.prompt_len, engine.model_config.vocab_size) for r in requests]
+        preemptions0 = engine.scheduler.num_preemptions
+
+        async def run_one(req: BenchRequest, rec: RequestRecord, now):
+            params = SamplingParams(temperature=0.0, max_tokens=req.max_tokens, ignore_eos=True)
+            async for out in engine.add_request(prompts[req.index], params):
+                t = now()
+                rec.token_times.extend(t for _ in out.token_ids)
+                rec.output_tokens = out.num_output_tokens
+                if out.finish_reason is not None:
+                    rec.finish = t
+                    if out.finish_reason == "error":
+                        rec.error = out.error
+
+        records, start = await _replay(requests, run_one, progress, desc)
+        for s in samples:  # sample times relative to the first submission
+            s.t -= start - clock["start"]
+        summary = summarize_run(records, samples, engine.scheduler.num_preemptions - preemptions0)
+        summary["setup"] = {"kv_allocator": config.kv_allocator, "block_size": engine.kv.block_size,
+                            "num_gpu_blocks": engine.kv.num_gpu_blocks, "max_model_len": engine.max_model_len,
+                            "max_num_seqs": config.max_num_seqs,
+                            "max_num_batched_tokens": config.max_num_batched_tokens,
+                            "model": engine.model_config.name, "device": getattr(engine, "device", None)}
+        summary["samples"] = [asdict(s) for s in samples]
+        return summary
+    finally:
+        await engine.shutdown()
+
+
+async def run_against_url(url: str, requests: list[BenchRequest], vocab_size: int, *, seed: int = 0,
+                          poll_interval: float = 0.05, progress: bool = True, desc: str = "bench") -> dict:
+    """Replay ``requests`` against a running ``pagedkv serve`` at ``url`` (streamed /v1/completions).
+
+    KV accounting polls ``/kv_cache`` every ``poll_interval`` seconds; preemptions are read from
+    ``/metrics`` before and after. Raises aiohttp.ClientError when the server cannot be reached.
+    """
+    import aiohttp
+
+    url = url.rstrip("/")
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+        async with session.get(f"{url}/v1/models") as r:
+            card = (await r.json())["data"][0]
+        model, max_model_len = card["id"], card["max_model_len"]
+        preemptions0 = await _preemptions(session, url)
+        rng = random.Random(seed)
+        prompts = [random_prompt(rng, r.prompt_len, vocab_size) for r in requests]
+        samples: list[KVSample] = []
+        loop = asyncio.get_running_loop()
+        clock = {"start": loop.time()}
+
+        async def poll():
+            while True:
+                async with session.get(f"{url}/kv_cache") as r:
+                    snap = await r.json()
+                samples.append(sample_snapshot(snap, loop.time() - clock["start"], max_model_len))
+                await asyncio.sleep(poll_interval)
+
+        async def run_one(req: BenchRequest, rec: RequestRecord, now):
+            body = {"model": model, "prompt": prompts[req.index], "max_tokens": req.max_tokens, "temperature": 0,
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            async with session.post(f"{url}/v1/completions", json=body) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
+                async for line in r.content:
+                    line = line.strip()
+                    if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("choices"):
+                        rec.token_times.append(now())
+                    if chunk.get("usage"):
+                        rec.output_tokens = chunk["usage"]["completion_tokens"]
+            rec.finish = now()
+
+        poller = asyncio.create_task(poll())
+        try:
+            records, start = await _replay(requests, run_one, progress, desc)
+        finally:
+            poller.cancel()
+        for s in samples:
+            s.t -= start - clock["start"]
+        summary = summarize_run(records, samples, await _preemptions(session, url) - preemptions0)
+        last = samples[-1] if samples else None
+        summary["setup"] = {"url": url, "model": model, "max_model_len": max_model_len,
+                            "pool_slots": last.pool if last else None}
+        summary["samples"] = [asdict(s) for s in samples]
+        return summary
+
+
+async def _preemptions(session, url: str) -> int:
+    async with session.get(f"{url}/metrics") as r:
+        text = await r.text()
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("pagedkv:num_preemptions_total")))
+
+
+# ---- reports ----------------------------------------------------------------------------------
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1000:.1f}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+TABLE_HEADER = ("| run | req/s | out tok/s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | E2E p50/p90/p99 ms "
+                "| running peak/mean | preempt | token state | reservation | internal | external (of pool) |\n"
+                "| --- | ---: | ---: | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
+
+
+def table_row(name: str, s: dict) -> str:
+    """One Markdown table row of a run summary (see TABLE_HEADER)."""
+    lat = lambda d: "/".join(_ms(d[f"p{p}"]) for p in (50, 90, 99))  # noqa: E731
+    kv = s["kv"]
+    return (f"| {name} | {s['request_throughput']:.2f} | {s['output_token_throughput']:.1f} | {lat(s['ttft_s'])} "
+            f"| {lat(s['itl_s'])} | {lat(s['e2e_s'])} | {s['peak_running']}/{s['mean_running']:.1f} "
+            f"| {s['num_preemptions']} | {_pct(kv['utilization'])} | {_pct(kv['reservation_frac'])} "
+            f"| {_pct(kv['internal_frac'])} | {_pct(kv['external_frac_of_pool'])} |")
+
+
+def markdown_report(report: dict) -> str:
+    """The whole report as Markdown: setup, scaling, one row per run, comparisons, attribution."""
+    w = report["workload"]
+    lines = [f"# pagedkv bench: {w['trace']}", "",
+             f"- requests: {w['num_requests']} (first rows of the trace), arrivals: {w['arrivals']}",
+             f"- token scaling: x{w['token_scale']:.4f} ({w['token_scale_rule']}); {w['num_clipped']} prompts "
+             f"cut to fit max_model_len {w['max_model_len']}",
+             f"- prompt tokens mean {w['mean_prompt_len']:.1f}, output tokens mean {w['mean_max_tokens']:.1f}",
+             "- utilization = token state / allocated slots; reservation and internal are fractions of allocated; "
+             "external is a fraction of the pool", "", TABLE_HEADER]
+    lines += [table_row(name, s) for name, s in report["runs"].items()]
+    for name, s in report["runs"].items():
+        st = s.get("setup", {})
+        lines.append(f"\n`{name}`: " + ", ".join(f"{k}={v}" for k, v in st.items()))
+    if report.get("comparison"):
+        c = report["comparison"]
+        lines += ["", "## paged vs contiguous (same trace, memory, model)", "",
+                  "| ratio (paged / contiguous) | value |", "| --- | ---: |"]
+        lines += [f"| {k} | {v:.2f}x |" for k, v in c.items()]
+    lines += ["", f"Trace: {ATTRIBUTION}"]
+    return "\n".join(lines) + "\n"
+
+
+def compare(paged: dict, contiguous: dict) -> dict:
+    """Ratios paged / contiguous of admitted concurrency, throughput and utilization."""
+    div = lambda a, b: a / b if b else float("nan")  # noqa: E731
+    return {
+        "mean_running": div(paged["mean_running"], contiguous["mean_running"]),
+        "peak_running": div(paged["peak_running"], contiguous["peak_running"]),
+        "request_throughput": div(paged["request_throughput"], contiguous["request_throughput"]),
+        "output_token_throughput": div(paged["output_token_throughput"], contiguous["output_token_throughput"]),
+        "utilization": div(paged["kv"]["utilization"], contiguous["kv"]["utilization"]),
+    }
+
+
+def plot_utilization(runs: dict[str, dict], path: str, title: str) -> None:
+    """Stacked areas over time, one panel per run: token state, reservation, internal, external, other free."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(runs), 1, figsize=(9, 2.6 * len(runs)), sharex=True, squeeze=False)
+    for ax, (name, s) in zip(axes[:, 0], runs.items()):
+        smp = s["samples"]
+        t = [x["t"] for x in smp]
+        pool = [x["pool"] or 1 for x in smp]
+        series = [[x[k] / p for x, p in zip(smp, pool)] for k in ("token_state", "reservation", "internal")]
+        series.append([x["external"] / p for x, p in zip(smp, pool)])
+        series.append([(x["free"] - x["external"]) / p for x, p in zip(smp, pool)])
+        ax.stackplot(t, *series, labels=["token state", "reservation", "internal frag.", "external frag.",
+                                          "free (usable)"],
+                     colors=["#2b8a3e", "#f59f00", "#e03131", "#862e9c", "#dee2e6"], step="post")
+        ax.set_ylim(0, 1)
+        ax.set_ylabel("fraction of KV pool")
+        ax.set_title(f"{name}: token state {_pct(s['kv']['utilization'])} of allocated", fontsize=10)
+    axes[0, 0].legend(loc="upper right", fontsize=7, ncol=5)
+    axes[-1, 0].set_xlabel("time since first request (s)")
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_block_sweep(runs: dict[int, dict], path: str, title: str) -> None:
+    """Utilization and output throughput against block size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted(runs)
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    ax.plot(sizes, [100 * runs[b]["kv"]["utilization"] for b in sizes], "o-", color="#2b8a3e",
+            label="token state / allocated (%)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(b) for b in sizes])
+    ax.set_xlabel("block size (tokens)")
+    ax.set_ylabel("KV utilization (%)")
+    ax2 = ax.twinx()
+    ax2.plot(sizes, [runs[b]["output_token_throughput"] for b in sizes], "s--", color="#1c7ed6",
+             label="output tokens/s")
+    ax2.set_ylabel("output tokens/s")
+    fig.legend(loc="lower left", fontsize=8)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---- the command ------------------------------------------------------------------------------
+
+def _block_sizes(s: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated integers, got {s!r}") from None
+    if not sizes or any(b < 1 or b > 256 or b & (b - 1) for b in sizes):
+        raise argparse.ArgumentTypeError(f"block sizes must be powers of two in 1..256, got {s!r}")
+    return sizes
+
+
+def _positive_float(allow_inf: bool = False):
+    def parse(s: str) -> float:
+        try:
+            v = float(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {s!r}") from None
+        if not v > 0 or (math.isinf(v) and not allow_inf):
+            raise argparse.ArgumentTypeError(f"must be > 0{' (or inf)' if allow_inf else ''}, got {s}")
+        return v
+    return parse
+
+
+def _token_scale(s: str) -> float | str:
+    return s if s == "auto" else _positive_float()(s)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The bench-specific flags (the engine flags come from `pagedkv serve`'s set)."""
+    g = p.add_argument_group("benchmark")
+    g.add_argument("--trace", default="conv", metavar="conv|code|CSV",
+                   help="conv / code: the Azure LLM inference traces 2023; or a CSV with TIMESTAMP, ContextTokens, "
+                        "GeneratedTokens")
+    g.add_argument("--num-requests", type=lambda s: _int_pos(s), default=100, help="replay the first N rows")
+    arr = g.add_mutually_exclusive_group()
+    arr.add_argument("--time-scale", type=_positive_float(), default=1.0,
+                     help="multiply the trace's arrival offsets (0.1: ten times faster)")
+    arr.add_argument("--request-rate", type=_positive_float(allow_inf=True), default=None,
+                     help="Poisson arrivals at this many requests/s instead of the trace's times (inf: all at once)")
+    g.add_argument("--token-scale", type=_token_scale, default="auto",
+                   help="multiply context and generated tokens; auto: max_model_len / the trace's p99 of "
+                        "context + generated")
+    g.add_argument("--kv-cache-tokens", type=lambda s: _int_pos(s), default=None, metavar="TOKENS",
+                   help="KV pool size in tokens (sets --num-gpu-blocks to TOKENS / block size): the same memory "
+                        "across allocators and block sizes")
+    g.add_argument("--compare-allocators", action="store_true",
+                   help="run paged and contiguous on the same requests and memory; report the ratios")
+    g.add_argument("--block-size-sweep", type=_block_sizes, default=None, metavar="B1,B2,...",
+                   help="run once per block size (same pool in tokens)")
+    g.add_argument("--url", default=None, help="benchmark a running `pagedkv serve` (e.g. http://127.0.0.1:8000) "
+                                               "instead of an in-process engine")
+    g.add_argument("--poll-interval", type=_positive_float(), default=0.05, metavar="SECONDS",
+                   help="--url: /kv_cache polling period")
+    g.add_argument("--output-dir", default="bench-results", metavar="DIR",
+                   help="where report.json, report.md and the PNG plots go")
+    g.add_argument("--name", default=None, help="file name prefix of the outputs (default: the trace name)")
+    g.add_argument("--no-plots", action="store_true", help="skip the PNGs (matplotlib not needed)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _int_pos(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Cross-flag checks, as argparse errors naming the flag."""
+    if args.url and (args.compare_allocators or args.block_size_sweep):
+        parser.error("--url benchmarks one server: --compare-allocators and --block-size-sweep need the "
+                     "in-process engine")
+    if args.compare_allocators and args.block_size_sweep:
+        parser.error("--compare-allocators and --block-size-sweep are separate runs: give one")
+    if args.url and not args.url.startswith(("http://", "https://")):
+        parser.error(f"--url must start with http:// or https://, got {args.url!r}")
+    if args.kv_cache_tokens is not None and args.num_gpu_blocks is not None:
+        parser.error("--kv-cache-tokens and --num-gpu-blocks both size the pool: give one")
+    if not args.no_plots:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            parser.error("plots need matplotlib (pip install 'pagedkv[bench]'), or pass --no-plots")
+
+
+def main(args: argparse.Namespace, config, max_model_len: int, vocab_size: int) -> int:
+    """Run the benchmark described by ``args`` (engine settings in ``config``); write the reports.
+
+    Returns 0, or 1 when any request failed.
+    """
+    import msgspec
+
+    path = resolve_trace(args.trace)
+    rows = load_trace(path)
+    if args.token_scale == "auto":
+        scale, rule = auto_token_scale(rows, max_model_len), f"max_model_len / p99(context + generated) of {path.name}"
+    else:
+        scale, rule = args.token_scale, "--token-scale"
+    requests, clipped = build_requests(rows, args.num_requests, max_model_len, scale, time_scale=args.time_scale,
+                                       request_rate=args.request_rate, seed=args.seed)
+    arrivals = (f"Poisson {args.request_rate} req/s" if args.request_rate is not None
+                else f"trace timestamps x{args.time_scale}")
+    workload = {"trace": path.name, "num_requests": len(requests), "arrivals": arrivals, "token_scale": scale,
+                "token_scale_rule": rule, "num_clipped": clipped, "max_model_len": max_model_len,
+                "mean_prompt_len": sum(r.prompt_len for r in requests) / len(requests),
+                "mean_max_tokens": sum(r.max_tokens for r in requests) / len(requests),
+                "seed": args.seed}
+
+    def engine_config(**over):
+        cfg = msgspec.structs.replace(config, **over)
+        if args.kv_cache_tokens is not None:
+            cfg = msgspec.structs.replace(cfg, num_gpu_blocks=max(1, args.kv_cache_tokens // cfg.block_size))
+        return cfg
+
+    progress = not args.no_progress
+    runs: dict[str, dict] = {}
+    if args.url:
+        runs["server"] = _run(run_against_url(args.url, requests, vocab_size, seed=args.seed,
+                                                     poll_interval=args.poll_interval, progress=progress))
+    elif args.compare_allocators:
+        for alloc in ("paged", "contiguous"):
+            runs[alloc] = _run(run_in_process(engine_config(kv_allocator=alloc), requests, seed=args.seed,
+                                              progress=progress, desc=alloc))
+    elif args.block_size_sweep:
+        for bs in args.block_size_sweep:
+            runs[f"block_size={bs}"] = _run(run_in_process(engine_config(block_size=bs), requests, seed=args.seed,
+                                                           progress=progress, desc=f"block {bs}"))
+    else:
+        runs[config.kv_allocator] = _run(run_in_process(engine_config(), requests, seed=args.seed,
+                                                        progress=progress, desc=config.kv_allocator))
+    report = {"workload": workload, "runs": runs, "attribution": ATTRIBUTION,
+              "machine": machine_info()}
+    if args.compare_allocators:
+        report["comparison"] = compare(runs["paged"], runs["contiguous"])
+    name = args.name or Path(args.trace).stem
+    os.makedirs(args.output_dir, exist_ok=True)
+    out = Path(args.output_dir)
+    (out / f"{name}.json").write_text(json.dumps(report, indent=1))
+    md = markdown_report(report)
+    (out / f"{name}.md").write_text(md)
+    if not args.no_plots:
+        plot_utilization(runs, str(out / f"{name}-utilization.png"), f"KV slots over time: {path.name}")
+        if args.block_size_sweep:
+            plot_block_sweep({int(k.split("=")[1]): v for k, v in runs.items()}, str(out / f"{name}-block-sizes.png"),
+                             f"block-size sweep: {path.name}")
+    print(md)
+    return 0 if all(s["num_errors"] == 0 for s in runs.values()) else 1
+
+
+def machine_info() -> dict:
+    """CPU count and model, platform and Python: where the numbers were measured."""
+    import platform
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"cpus": os.cpu_count(), "cpu": cpu, "platform": platform.platform(), "python": platform.python_version()}
+
+
+def _run(coro):
+    """Run a coroutine on uvloop when it is installed (as `pagedkv serve` does)."""
+    try:
+        import uvloop
+        factory = uvloop.new_event_loop
+    except ImportError:
+        factory = None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(coro)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("run `pagedkv bench`")

@@ -1,0 +1,147 @@
+"""`pagedkv bench`: trace replay, the KV token-state accounting (exact, in slots) and the reports.
+
+A few requests only (seconds); no timing is asserted, only fields, counts and identities.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+
+import pytest
+from aiohttp.test_utils import TestServer
+
+from common.config import EngineConfig
+from scheduler.api import build_app
+from scheduler.bench import (TraceRow, account_kv, build_requests, load_trace, percentile, run_against_url,
+                             summarize_kv)
+from scheduler.cli import main
+from scheduler.engine import Engine
+
+KV_FIELDS = {"pool", "allocated", "token_state", "reservation", "internal", "external", "free"}
+
+
+def assert_identities(s: dict) -> None:
+    """token state + reservation + internal = allocated; allocated + free = pool; external within free."""
+    assert all(isinstance(s[k], int) and s[k] >= 0 for k in KV_FIELDS), s
+    assert s["token_state"] + s["reservation"] + s["internal"] == s["allocated"], s
+    assert s["allocated"] + s["free"] == s["pool"], s
+    assert 0 <= s["external"] <= s["free"], s
+
+
+def test_accounting_classifies_every_slot_of_a_request():
+    # block_size 4; a request with 6 computed tokens that will hold 9 in 4 blocks (16 slots)
+    s = account_kv(0.0, 4, 10, 6, [([0, 1, 2, 3], 6, 9)], lambda: [6], 0, 1, 0)
+    assert (s.allocated, s.token_state, s.reservation, s.internal, s.free) == (16, 6, 3, 7, 24)
+    assert s.external == 0  # nothing waits
+
+
+def test_shared_blocks_count_once_in_their_best_class():
+    # two requests share block 0 (4 tokens, full) and hold one block each of their own
+    holders = [([0, 1], 6, 8), ([0, 2], 5, 5)]
+    s = account_kv(0.0, 4, 4, 1, holders, lambda: [1], 0, 2, 0)
+    assert s.allocated == 12 and s.token_state == 4 + 2 + 1 and s.reservation == 2 and s.internal == 3
+    assert s.token_state + s.reservation + s.internal == s.allocated
+
+
+def test_external_fragmentation_is_free_runs_too_short_for_the_waiting_head():
+    # 8 free blocks in runs of 3, 3 and 2; the head needs 4 blocks: none can serve it
+    s = account_kv(0.0, 2, 10, 8, [([3, 4], 4, 4)], lambda: [3, 3, 2], 4, 1, 1)
+    assert s.free == 16 and s.external == 16
+    s = account_kv(0.0, 2, 10, 8, [([3, 4], 4, 4)], lambda: [3, 5], 4, 1, 1)
+    assert s.external == 6  # the run of 5 can; the run of 3 cannot
+
+
+def test_summary_fractions_come_from_slot_totals():
+    a = account_kv(0.0, 4, 10, 6, [([0, 1, 2, 3], 6, 9)], lambda: [], 0, 1, 0)
+    b = account_kv(1.0, 4, 10, 8, [([0, 1], 8, 8)], lambda: [], 0, 1, 0)
+    kv = summarize_kv([a, b])
+    assert kv["slot_totals"]["allocated"] == 24 and kv["slot_totals"]["token_state"] == 14
+    assert kv["utilization"] == 14 / 24
+
+
+def test_trace_loading_scaling_and_clipping(tmp_path):
+    csv = tmp_path / "t.csv"
+    csv.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:00:00.5000000,100,10\n"
+                   "2023-11-16 18:00:02.0000000,2000,300\n2023-11-16 18:00:03.2500000,7,0\n")
+    rows = load_trace(csv)
+    assert rows == [TraceRow(0.0, 100, 10), TraceRow(1.5, 2000, 300), TraceRow(2.75, 7, 0)]
+    reqs, clipped = build_requests(rows, 3, 512, 0.5, time_scale=2.0)
+    assert [(r.arrival, r.prompt_len, r.max_tokens) for r in reqs] == [(0.0, 50, 5), (3.0, 362, 150), (5.5, 4, 1)]
+    assert clipped == 1  # 1000 + 150 > 512: the prompt is cut to 362
+    reqs, _ = build_requests(rows, 2, 512, 1.0, request_rate=math.inf)
+    assert [r.arrival for r in reqs] == [0.0, 0.0]
+    bad = tmp_path / "bad.csv"
+    bad.write_text("TIMESTAMP,ContextTokens\n2023-11-16 18:00:00,1\n")
+    with pytest.raises(ValueError, match="GeneratedTokens"):
+        load_trace(bad)
+
+
+def test_percentile_interpolates():
+    assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([5], 99) == 5 and percentile([], 50) is None
+
+
+def test_bench_compares_allocators_and_the_accounting_adds_up(stories260k, tmp_path, capsys):
+    plots = importlib.util.find_spec("matplotlib") is not None
+    argv = ["bench", "--model", str(stories260k), "--trace", "code", "--num-requests", "6", "--request-rate", "inf",
+            "--compare-allocators", "--kv-cache-tokens", "1024", "--output-dir", str(tmp_path), "--name", "smoke",
+            "--no-progress"] + ([] if plots else ["--no-plots"])
+    assert main(argv) == 0
+    report = json.loads((tmp_path / "smoke.json").read_text())
+    assert set(report["runs"]) == {"paged", "contiguous"}
+    assert "Splitwise" in report["attribution"] and "Splitwise" in (tmp_path / "smoke.md").read_text()
+    w = report["workload"]
+    assert w["num_requests"] == 6 and w["token_scale"] > 0 and "p99" in w["token_scale_rule"]
+    for name, run in report["runs"].items():
+        assert run["num_completed"] == 6 and run["num_errors"] == 0
+        assert run["setup"]["kv_allocator"] == name and run["setup"]["num_gpu_blocks"] == 1024 // 16
+        for key in ("request_throughput", "output_token_throughput", "duration_s", "mean_running"):
+            assert run[key] > 0
+        for lat in ("ttft_s", "itl_s", "e2e_s"):
+            assert set(run[lat]) == {"p50", "p90", "p99", "mean"}
+        assert run["peak_running"] >= 1 and run["num_preemptions"] >= 0
+        assert run["kv"]["num_samples"] == len(run["samples"]) > 0
+        for s in run["samples"]:
+            assert_identities(s)
+        tot = run["kv"]["slot_totals"]
+        assert tot["token_state"] + tot["reservation"] + tot["internal"] == tot["allocated"]
+        assert 0 < run["kv"]["utilization"] <= 1
+    assert all(s["external"] == 0 for s in report["runs"]["paged"]["samples"])  # paging: none, by construction
+    # ignore_eos + max_tokens: every request produced exactly its scaled GeneratedTokens
+    assert report["runs"]["paged"]["output_tokens"] == report["runs"]["contiguous"]["output_tokens"]
+    assert set(report["comparison"]) == {"mean_running", "peak_running", "request_throughput",
+                                         "output_token_throughput", "utilization"}
+    if plots:
+        assert (tmp_path / "smoke-utilization.png").stat().st_size > 0
+    assert "| paged |" in capsys.readouterr().out
+
+
+async def test_bench_against_a_server_polls_kv_cache(stories260k):
+    engine = await Engine.start(EngineConfig(model=str(stories260k), kv_allocator="contiguous", num_gpu_blocks=32))
+    server = TestServer(build_app(engine), host="127.0.0.1", port=0)
+    await server.start_server()
+    try:
+        rows = [TraceRow(0.0, 40, 20)] * 4
+        reqs, _ = build_requests(rows, 4, engine.max_model_len, 1.0, request_rate=math.inf)
+        run = await run_against_url(str(server.make_url("/")), reqs, engine.model_config.vocab_size,
+                                    poll_interval=0.01, progress=False)
+    finally:
+        await server.close()
+        await engine.shutdown()
+    assert run["num_completed"] == 4 and run["output_tokens"] == 80
+    assert run["samples"] and all(assert_identities(s) is None for s in run["samples"])
+    # 4 reservations of 4 blocks (60 tokens) in a 32-block pool: everything fits, nothing waits long
+    assert max(s["allocated"] for s in run["samples"]) <= 4 * 4 * 16
+
+
+@pytest.mark.parametrize("extra,flag", [(["--num-requests", "0"], "--num-requests"),
+                                        (["--block-size-sweep", "8,12"], "--block-size-sweep"),
+                                        (["--request-rate", "-1"], "--request-rate"),
+                                        (["--token-scale", "x"], "--token-scale"),
+                                        (["--url", "localhost:8000"], "--url"),
+                                        (["--compare-allocators", "--block-size-sweep", "8,16"], "--compare-allocators")])
+def test_bad_bench_flags_are_argparse_errors_naming_the_flag(extra, flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--no-plots"] + extra)
+    assert e.value.code == 2 and flag in capsys.readouterr().err

@@ -1,8 +1,9 @@
 """The Triton kernels agree with the PyTorch reference (`kernels.reference`), run interpreted on CPU.
 
-TRITON_INTERPRET=1 must be in place when the kernel modules are imported (``@triton.jit`` reads it
-then) and while they first run (triton imports more modules lazily), so this module sets it
-around its import and around its tests, and restores the previous environment in between.
+TRITON_INTERPRET=1 must be in place when triton and the kernel modules are imported
+(``@triton.jit`` reads it then) and while they first run (triton imports more modules lazily),
+so this module sets it around its import and around its tests, and restores the previous
+environment in between.
 
 Tolerances (max abs difference against the fp32 reference on the same rounded inputs, outputs of
 magnitude ~1): fp32 2e-5 (summation order only); fp16 2e-3 and bf16 2e-2, i.e. about two units in
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 
 import pytest
 import torch
@@ -31,6 +33,11 @@ def _restore_interpret_env():
         os.environ["TRITON_INTERPRET"] = _SAVED_INTERPRET
 
 
+if "triton" in sys.modules and not os.environ.get("TRITON_INTERPRET"):
+    # triton.language's own @jit helpers (tl.zeros, ...) were built for compilation; the
+    # interpreter cannot call them. Nothing in-process can undo that import.
+    pytest.fail("triton was imported before TRITON_INTERPRET=1 was set; run this module in its "
+                "own process or export TRITON_INTERPRET=1", pytrace=False)
 os.environ["TRITON_INTERPRET"] = "1"
 try:
     triton_kernels = pytest.importorskip("kernels.triton_kernels")

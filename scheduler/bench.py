@@ -58,12 +58,15 @@ class TraceRow:
 
 @dataclass(frozen=True)
 class BenchRequest:
-    """One request to replay: arrival offset (seconds), prompt and output lengths (tokens)."""
+    """One request to replay: arrival offset (seconds), prompt length, max_tokens it asks for and
+    output_len it really generates (tokens; the client stops reading there when max_tokens is larger).
+    """
 
     index: int
     arrival: float
     prompt_len: int
     max_tokens: int
+    output_len: int
 
 
 def default_trace_dir() -> Path:
@@ -125,14 +128,19 @@ def auto_token_scale(rows: list[TraceRow], max_model_len: int) -> float:
 
 
 def build_requests(rows: list[TraceRow], num_requests: int, max_model_len: int, token_scale: float, *,
-                   time_scale: float = 1.0, request_rate: float | None = None, seed: int = 0
-                   ) -> tuple[list[BenchRequest], int]:
+                   time_scale: float = 1.0, request_rate: float | None = None, seed: int = 0,
+                   max_tokens_policy: str = "trace") -> tuple[list[BenchRequest], int]:
     """The first ``num_requests`` rows as requests, token counts times ``token_scale``.
 
     Each length is rounded and at least 1; a request still longer than max_model_len has its
     prompt cut to fit (counted in the second return value). Arrivals: the trace's offsets times
     ``time_scale``, or Poisson at ``request_rate`` requests/s (math.inf: all at once).
+    max_tokens_policy: "trace" asks for exactly the generated length (the trace README's rule);
+    "max-model-len" asks for all the room left (max_model_len - prompt), as a client that does
+    not know the output length does, and the output still ends at the generated length.
     """
+    if max_tokens_policy not in ("trace", "max-model-len"):
+        raise ValueError(f"max_tokens_policy must be trace or max-model-len, got {max_tokens_policy!r}")
     rng = random.Random(seed)
     out, clipped, t = [], 0, 0.0
     for i, r in enumerate(rows[:num_requests]):
@@ -145,7 +153,7 @@ def build_requests(rows: list[TraceRow], num_requests: int, max_model_len: int, 
         else:
             arrival = t
             t += 0.0 if math.isinf(request_rate) else rng.expovariate(request_rate)
-        out.append(BenchRequest(i, arrival, p, m))
+        out.append(BenchRequest(i, arrival, p, m if max_tokens_policy == "trace" else max_model_len - p, m))
     return out, clipped
 
 
@@ -208,11 +216,16 @@ def _final_tokens(prompt_len: int, max_tokens: int, max_model_len: int) -> int:
     return min(prompt_len + max_tokens, max_model_len) - 1
 
 
-def sample_engine(engine, t: float) -> KVSample:
-    """Account the in-process engine's KV pool right now."""
+def sample_engine(engine, t: float, output_len: dict[str, int] | None = None) -> KVSample:
+    """Account the in-process engine's KV pool right now.
+
+    output_len: request id -> tokens it will really generate, where that is less than max_tokens.
+    """
     kv, sched = engine.kv, engine.scheduler
+    output_len = output_len or {}
     holders = [(r.block_table, r.num_computed_tokens,
-                _final_tokens(r.num_prompt_tokens, r.sampling.max_tokens, engine.max_model_len))
+                _final_tokens(r.num_prompt_tokens, output_len.get(r.request_id, r.sampling.max_tokens),
+                              engine.max_model_len))
                for r in sched.requests.values() if r.block_table and r.status.value != "swapped"]
     need = 0
     if sched.waiting:
@@ -346,11 +359,12 @@ def summarize_run(records: list[RequestRecord], samples: list[KVSample], num_pre
 
 
 async def run_in_process(config, requests: list[BenchRequest], *, seed: int = 0, progress: bool = True,
-                         desc: str = "bench") -> dict:
+                         desc: str = "bench", account_kv_every_step: bool = True) -> dict:
     """Start an engine with ``config`` (an EngineConfig), replay ``requests``, shut it down.
 
     The KV pool is accounted after every engine step (the scheduler's ``advance`` is wrapped for
-    the run). Returns `summarize_run`'s dict plus the engine's setup and the samples.
+    the run) unless ``account_kv_every_step`` is False (pure throughput runs). Returns
+    `summarize_run`'s dict plus the engine's setup and the samples.
     """
     from common.sampling_params import SamplingParams
     from scheduler.engine import Engine
@@ -364,23 +378,30 @@ async def run_in_process(config, requests: list[BenchRequest], *, seed: int = 0,
 
         def advance_and_sample(step):  # after the step's tokens are computed, before finished requests free
             advance(step)
-            samples.append(sample_engine(engine, loop.time() - clock["start"]))
+            samples.append(sample_engine(engine, loop.time() - clock["start"], output_len))
 
-        engine.scheduler.advance = advance_and_sample
+        if account_kv_every_step:
+            engine.scheduler.advance = advance_and_sample
         rng = random.Random(seed)
         prompts = [random_prompt(rng, r.prompt_len, engine.model_config.vocab_size) for r in requests]
+        output_len = {f"bench-{r.index}": r.output_len for r in requests if r.output_len < r.max_tokens}
         preemptions0 = engine.scheduler.num_preemptions
 
         async def run_one(req: BenchRequest, rec: RequestRecord, now):
             params = SamplingParams(temperature=0.0, max_tokens=req.max_tokens, ignore_eos=True)
-            async for out in engine.add_request(prompts[req.index], params):
-                t = now()
-                rec.token_times.extend(t for _ in out.token_ids)
-                rec.output_tokens = out.num_output_tokens
-                if out.finish_reason is not None:
-                    rec.finish = t
-                    if out.finish_reason == "error":
-                        rec.error = out.error
+            stream = engine.add_request(prompts[req.index], params, request_id=f"bench-{req.index}")
+            try:
+                async for out in stream:
+                    t = now()
+                    rec.token_times.extend(t for _ in out.token_ids)
+                    rec.output_tokens = out.num_output_tokens
+                    if out.finish_reason is not None or out.num_output_tokens >= req.output_len:
+                        rec.finish = t  # done (or, asked for more, at its real length: stop, as on EOS)
+                        if out.finish_reason == "error":
+                            rec.error = out.error
+                        break
+            finally:
+                await stream.aclose()  # an early stop aborts the request: its blocks come back now
 
         records, start = await _replay(requests, run_one, progress, desc)
         for s in samples:  # sample times relative to the first submission
@@ -496,7 +517,8 @@ def markdown_report(report: dict) -> str:
              f"- requests: {w['num_requests']} (first rows of the trace), arrivals: {w['arrivals']}",
              f"- token scaling: x{w['token_scale']:.4f} ({w['token_scale_rule']}); {w['num_clipped']} prompts "
              f"cut to fit max_model_len {w['max_model_len']}",
-             f"- prompt tokens mean {w['mean_prompt_len']:.1f}, output tokens mean {w['mean_max_tokens']:.1f}",
+             f"- prompt tokens mean {w['mean_prompt_len']:.1f}, output tokens mean {w['mean_output_len']:.1f}, "
+             f"max_tokens mean {w['mean_max_tokens']:.1f} (--max-tokens {w['max_tokens_policy']})",
              "- utilization = token state / allocated slots; reservation and internal are fractions of allocated; "
              "external is a fraction of the pool", "", TABLE_HEADER]
     lines += [table_row(name, s) for name, s in report["runs"].items()]
@@ -622,6 +644,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--token-scale", type=_token_scale, default="auto",
                    help="multiply context and generated tokens; auto: max_model_len / the trace's p99 of "
                         "context + generated")
+    g.add_argument("--max-tokens", choices=["trace", "max-model-len"], default="trace", dest="max_tokens_policy",
+                   help="trace: max_tokens = the generated length (the trace README's rule); max-model-len: ask for "
+                        "all the room left, as a client that does not know the output length, and stop reading at the "
+                        "generated length (the engine sees an abort, as after EOS); in-process only")
     g.add_argument("--kv-cache-tokens", type=lambda s: _int_pos(s), default=None, metavar="TOKENS",
                    help="KV pool size in tokens (sets --num-gpu-blocks to TOKENS / block size): the same memory "
                         "across allocators and block sizes")
@@ -655,6 +681,9 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
     if args.url and (args.compare_allocators or args.block_size_sweep):
         parser.error("--url benchmarks one server: --compare-allocators and --block-size-sweep need the "
                      "in-process engine")
+    if args.url and args.max_tokens_policy != "trace":
+        parser.error("--max-tokens max-model-len needs the in-process engine (the accounting must know each "
+                     "request's real length)")
     if args.compare_allocators and args.block_size_sweep:
         parser.error("--compare-allocators and --block-size-sweep are separate runs: give one")
     if args.url and not args.url.startswith(("http://", "https://")):
@@ -682,13 +711,16 @@ def main(args: argparse.Namespace, config, max_model_len: int, vocab_size: int) 
     else:
         scale, rule = args.token_scale, "--token-scale"
     requests, clipped = build_requests(rows, args.num_requests, max_model_len, scale, time_scale=args.time_scale,
-                                       request_rate=args.request_rate, seed=args.seed)
+                                       request_rate=args.request_rate, seed=args.seed,
+                                       max_tokens_policy=args.max_tokens_policy)
     arrivals = (f"Poisson {args.request_rate} req/s" if args.request_rate is not None
                 else f"trace timestamps x{args.time_scale}")
     workload = {"trace": path.name, "num_requests": len(requests), "arrivals": arrivals, "token_scale": scale,
                 "token_scale_rule": rule, "num_clipped": clipped, "max_model_len": max_model_len,
                 "mean_prompt_len": sum(r.prompt_len for r in requests) / len(requests),
                 "mean_max_tokens": sum(r.max_tokens for r in requests) / len(requests),
+                "mean_output_len": sum(r.output_len for r in requests) / len(requests),
+                "max_tokens_policy": args.max_tokens_policy,
                 "seed": args.seed}
 
     def engine_config(**over):
@@ -742,7 +774,8 @@ def machine_info() -> dict:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    return {"cpus": os.cpu_count(), "cpu": cpu, "platform": platform.platform(), "python": platform.python_version()}
+    return {"cpus": os.cpu_count(), "cpu": cpu, "platform": platform.platform(), "python": platform.python_version(),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "load_average": os.getloadavg()}
 
 
 def _run(coro):

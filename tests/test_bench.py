@@ -72,6 +72,8 @@ def test_trace_loading_scaling_and_clipping(tmp_path):
     assert clipped == 1  # 1000 + 150 > 512: the prompt is cut to 362
     reqs, _ = build_requests(rows, 2, 512, 1.0, request_rate=math.inf)
     assert [r.arrival for r in reqs] == [0.0, 0.0]
+    reqs, _ = build_requests(rows, 1, 512, 1.0, max_tokens_policy="max-model-len")
+    assert (reqs[0].prompt_len, reqs[0].max_tokens, reqs[0].output_len) == (100, 412, 10)
     bad = tmp_path / "bad.csv"
     bad.write_text("TIMESTAMP,ContextTokens\n2023-11-16 18:00:00,1\n")
     with pytest.raises(ValueError, match="GeneratedTokens"):
@@ -145,3 +147,30 @@ def test_bad_bench_flags_are_argparse_errors_naming_the_flag(extra, flag, capsys
     with pytest.raises(SystemExit) as e:
         main(["bench", "--no-plots"] + extra)
     assert e.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_asking_for_max_model_len_stops_at_the_real_length_and_still_adds_up(stories260k, tmp_path):
+    argv = ["bench", "--model", str(stories260k), "--trace", "conv", "--num-requests", "4", "--request-rate", "inf",
+            "--kv-allocator", "contiguous", "--max-tokens", "max-model-len", "--kv-cache-tokens", "1024",
+            "--output-dir", str(tmp_path), "--name", "mml", "--no-progress", "--no-plots"]
+    assert main(argv) == 0
+    report = json.loads((tmp_path / "mml.json").read_text())
+    w, run = report["workload"], report["runs"]["contiguous"]
+    assert w["max_tokens_policy"] == "max-model-len" and w["mean_max_tokens"] > w["mean_output_len"]
+    assert run["num_completed"] == 4 and run["output_tokens"] == round(4 * w["mean_output_len"])
+    # each request reserves its whole context: at most 2 of 512 tokens fit in 1024 slots
+    assert run["peak_running"] <= 2
+    for s in run["samples"]:
+        assert_identities(s)
+    assert run["kv"]["slot_totals"]["internal"] > run["kv"]["slot_totals"]["token_state"]
+
+
+def test_control_plane_microbenchmark_keeps_every_request_running():
+    spec = importlib.util.spec_from_file_location(
+        "bench_control_plane", __import__("pathlib").Path(__file__).resolve().parents[1] / "ops/bench_control_plane.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    row = mod.measure(16, steps=20)
+    assert row["running"] == 16 and row["steps"] == 20
+    assert set(row) >= {"total_ms_median", "schedule_ms_median", "plan_codec_ms_median", "result_codec_ms_median",
+                        "apply_ms_median"}

@@ -1,0 +1,119 @@
+"""pagedkv against Hugging Face transformers ``generate`` with static batches, in the same run.
+
+Same model (a Llama checkpoint directory, e.g. stories260K), same prompts (random token ids of
+the trace's scaled context lengths), same output lengths (the trace's scaled GeneratedTokens,
+EOS ignored), greedy, on the same CPU. All requests are available at time 0 (offline throughput).
+
+- pagedkv: one in-process engine (its worker process), continuous batching over the paged KV
+  cache; every request generates exactly its own output length.
+- transformers: static batches of ``--hf-batch-size`` requests in trace order, left-padded; a
+  batch runs until its longest output is done (``min_new_tokens = max_new_tokens`` = that
+  length), the tool a user would otherwise reach for. Only requested tokens count as output.
+
+Throughput = requested output tokens / wall time from the first request to the last token.
+
+    python ops/bench_vs_transformers.py --model ../shared/models/stories260K --trace conv \\
+        --num-requests 64 --hf-batch-size 8,32 [--json out.json]
+
+transformers (and torch) are imported here only: an optional dependency (pip install 'pagedkv[bench]').
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+
+from common.config import EngineConfig, ModelConfig, resolve_max_model_len
+from scheduler.bench import (ATTRIBUTION, auto_token_scale, build_requests, load_trace, machine_info, random_prompt,
+                             resolve_trace, run_in_process)
+
+
+def run_transformers(model_dir: str, prompts: list[list[int]], max_tokens: list[int], batch_size: int,
+                     threads: int | None = None) -> dict:
+    """Static-batch greedy generation with transformers; returns wall seconds and token counts."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if threads:
+        torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    pad = 0
+    start = time.perf_counter()
+    generated = 0
+    with torch.inference_mode():
+        for b in range(0, len(prompts), batch_size):
+            batch, outs = prompts[b:b + batch_size], max_tokens[b:b + batch_size]
+            width = max(map(len, batch))
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            new = max(outs)
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                 do_sample=False, pad_token_id=pad)
+            generated += (out.shape[1] - width) * len(batch)
+    wall = time.perf_counter() - start
+    useful = sum(max_tokens)
+    return {"batch_size": batch_size, "wall_s": wall, "output_tokens": useful, "generated_tokens": generated,
+            "output_token_throughput": useful / wall, "request_throughput": len(prompts) / wall}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="Llama checkpoint directory (config.json, model.safetensors)")
+    p.add_argument("--trace", default="conv", help="conv, code, or a CSV path")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--hf-batch-size", default="8,32", help="static batch sizes to try, comma-separated")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="pagedkv's running batch limit")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, metavar="FILE")
+    args = p.parse_args(argv)
+    try:
+        batch_sizes = [int(x) for x in args.hf_batch_size.split(",")]
+    except ValueError:
+        p.error(f"--hf-batch-size must be comma-separated integers, got {args.hf_batch_size!r}")
+    if args.num_requests < 1 or any(b < 1 for b in batch_sizes):
+        p.error("--num-requests and --hf-batch-size must be >= 1")
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        p.error("this comparison needs transformers: pip install 'pagedkv[bench]'")
+
+    model = ModelConfig.load(args.model)
+    max_model_len = resolve_max_model_len(model, None)
+    path = resolve_trace(args.trace)
+    rows = load_trace(path)
+    scale = auto_token_scale(rows, max_model_len)
+    requests, clipped = build_requests(rows, args.num_requests, max_model_len, scale, request_rate=float("inf"))
+    rng = random.Random(args.seed)
+    prompts = [random_prompt(rng, r.prompt_len, model.vocab_size) for r in requests]
+    max_tokens = [r.max_tokens for r in requests]
+
+    config = EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs, seed=args.seed)
+    paged = asyncio.run(run_in_process(config, requests, seed=args.seed, progress=False, desc="pagedkv",
+                                       account_kv_every_step=False))
+    hf = [run_transformers(args.model, prompts, max_tokens, b) for b in batch_sizes]
+
+    print(f"{len(requests)} requests from {path.name}, tokens x{scale:.4f} (max_model_len / p99), {clipped} clipped; "
+          f"mean prompt {sum(map(len, prompts)) / len(prompts):.1f}, mean output {sum(max_tokens) / len(max_tokens):.1f}")
+    print("\n| engine | batching | wall s | output tok/s | req/s | pagedkv / this |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    print(f"| pagedkv | continuous, paged KV | {paged['duration_s']:.2f} | {paged['output_token_throughput']:.1f} "
+          f"| {paged['request_throughput']:.2f} | 1.00x |")
+    for h in hf:
+        ratio = paged["output_token_throughput"] / h["output_token_throughput"]
+        print(f"| transformers generate | static, batch {h['batch_size']} | {h['wall_s']:.2f} "
+              f"| {h['output_token_throughput']:.1f} | {h['request_throughput']:.2f} | {ratio:.2f}x |")
+    print(f"\nTrace: {ATTRIBUTION}")
+    if args.json:
+        paged.pop("samples", None)
+        with open(args.json, "w") as f:
+            json.dump({"pagedkv": paged, "transformers": hf, "token_scale": scale, "num_clipped": clipped,
+                       "trace": path.name, "machine": machine_info(), "attribution": ATTRIBUTION}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

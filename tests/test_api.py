@@ -135,6 +135,30 @@ async def test_batch_of_prompts_gives_one_choice_each(http):
     assert body["usage"]["completion_tokens"] == 8
 
 
+async def test_n3_seeded_gives_three_reproducible_choices_and_usage_sums_them(http):
+    body = {"prompt": GOLDEN_PROMPT, "max_tokens": 12, "n": 3, "seed": 7, "temperature": 1.0}
+    first = await (await http.post("/v1/completions", json=body)).json()
+    again = await (await http.post("/v1/completions", json=body)).json()
+    assert [c["index"] for c in first["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in first["choices"]] == [c["text"] for c in again["choices"]]
+    assert len({c["text"] for c in first["choices"]}) == 3  # (seed 7 happens to give three different stories)
+    assert first["usage"]["completion_tokens"] == 36 and first["usage"]["prompt_tokens"] == 5
+    await wait_all_blocks_free(http)
+
+
+async def test_beam_search_returns_n_beams_best_first(http):
+    body = {"prompt": GOLDEN_PROMPT, "max_tokens": 10, "n": 2, "use_beam_search": True, "temperature": 0}
+    resp = await http.post("/v1/completions", json=body)
+    assert resp.status == 200
+    result = await resp.json()
+    choices = result["choices"]
+    assert [c["index"] for c in choices] == [0, 1]
+    assert choices[0]["text"] != choices[1]["text"]
+    assert all(c["finish_reason"] == "length" for c in choices)
+    assert result["usage"]["completion_tokens"] == 20
+    await wait_all_blocks_free(http)
+
+
 async def test_stop_string_ends_the_completion_before_it(http):
     body = await (await http.post("/v1/completions", json={**GREEDY_60, "stop": "girl"})).json()
     assert body["choices"][0]["text"] == ", there was a little "
@@ -209,7 +233,7 @@ BAD_REQUESTS = [
     ("empty-prompt-list", {"prompt": []}, "prompt"),
     ("missing-prompt", {"prompt": None}, "prompt"),
     ("mixed-prompt-list", {"prompt": [1, "a"]}, "prompt"),
-    ("n-two", {"n": 2}, "n"),
+    ("n-above-max-n", {"n": 17}, "n"),
     ("temperature-string", {"temperature": "hot"}, "temperature"),
     ("max-tokens-string", {"max_tokens": "10"}, "max_tokens"),
     ("stop-number", {"stop": 5}, "stop"),

@@ -59,6 +59,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self._hash_fn = HASH_FUNCTIONS[hash_algo]
         self._hashes: dict[str, list[bytes]] = {}  # request id -> hashes of its full blocks
+        self._num_named: dict[str, int] = {}  # request id -> leading blocks already offered to the cache
         self.prefix_queries = 0  # tokens looked up (prompt tokens of admitted requests)
         self.prefix_hits = 0  # of those, tokens found cached
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the next plan
@@ -174,10 +175,12 @@ class KVCacheManager:
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Name every block that will be full once ``num_tokens`` tokens are computed."""
         hashes = self._block_hashes(request)
-        for i in range(min(num_tokens // self.block_size, len(hashes))):
+        end = min(num_tokens // self.block_size, len(hashes))
+        for i in range(self._num_named.get(request.request_id, 0), end):  # only blocks not yet named
             block = self.pool.blocks[request.block_table[i]]
             if block.block_hash is None:
                 self.pool.cache(block, hashes[i])
+        self._num_named[request.request_id] = max(end, self._num_named.get(request.request_id, 0))
 
     def record_prefix_query(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries += num_prompt_tokens
@@ -187,12 +190,14 @@ class KVCacheManager:
         """Give back every block of the request (tail first, for LRU-ish eviction order)."""
         self.pool.free([self.pool.blocks[b] for b in reversed(request.block_table)])
         self.replaced_blocks.pop(request.request_id, None)
+        self._num_named.pop(request.request_id, None)
         request.block_table = []
         request.num_computed_tokens = 0
 
     def forget(self, request: Request) -> None:
         """Drop per-request bookkeeping once the request is finished for good."""
         self._hashes.pop(request.request_id, None)
+        self._num_named.pop(request.request_id, None)
 
     def snapshot(self) -> dict:
         """JSON-ready view of the pool: sizes, usage, and the ref count of every referenced block."""

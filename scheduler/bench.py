@@ -7,23 +7,9 @@ ISCA 2024; CC-BY 4.0). Each row becomes one request: a prompt of random token id
 the trace's README prescribes. Arrivals follow the trace's timestamps (times ``--time-scale``) or a
 Poisson process at ``--request-rate``.
 
-KV token-state accounting (PagedAttention, Kwon et al., SOSP 2023, §3, Fig. 2), in token slots,
-sampled after every engine step (in-process) or by polling ``/kv_cache`` (``--url``):
-
-- pool = num_gpu_blocks x block_size; allocated = slots of blocks held by live requests
-  (each physical block once); free = pool - allocated.
-- For a request with c computed tokens that will hold F = min(prompt + max_tokens, max_model_len)
-  - 1 tokens' K/V at the end (the last sampled token is never fed back), the slots of its blocks
-  in logical order are: token state (index < c), reservation (c <= index < F: slots for tokens it
-  will compute but has not yet), internal fragmentation (index >= F: slots it will never fill,
-  the over-reservation of the contiguous baseline, or the unfilled tail of the last block with
-  paging). A block shared by several requests counts once, each slot in its best class.
-- external fragmentation = free slots in free runs shorter than the blocks the head of the
-  waiting queue needs to be admitted (0 when nothing waits; 0 with paging by construction, since
-  paging needs one block at a time from anywhere).
-
-Identities (checked exactly, in integer slots): token_state + reservation + internal = allocated,
-allocated + free = pool, 0 <= external <= free.
+KV token-state accounting (token state, reservation, internal and external fragmentation): see
+`scheduler.kv_accounting`; it is sampled after every engine step (in-process) or by polling
+``/kv_cache`` (``--url``).
 """
 
 from __future__ import annotations
@@ -35,10 +21,14 @@ import json
 import math
 import os
 import random
+import statistics
 import sys
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
+
+from scheduler.kv_accounting import (KVSample, running_stats, sample_engine, sample_snapshot, step_time_fit,
+                                     summarize_kv)
 
 TRACE_NAMES = {"conv": "AzureLLMInferenceTrace_conv.csv", "code": "AzureLLMInferenceTrace_code.csv"}
 ATTRIBUTION = ("Azure LLM inference trace 2023 (github.com/Azure/AzurePublicDataset, CC-BY 4.0): Patel et al., "
@@ -162,120 +152,6 @@ def random_prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]
     return [rng.randrange(vocab_size) for _ in range(length)]
 
 
-# ---- KV token-state accounting ----------------------------------------------------------------
-
-@dataclass
-class KVSample:
-    """KV slot accounting at one instant (see the module docstring); sizes in token slots."""
-
-    t: float
-    pool: int
-    allocated: int
-    token_state: int
-    reservation: int
-    internal: int
-    external: int
-    free: int
-    running: int
-    waiting: int
-
-
-def account_kv(t: float, block_size: int, num_blocks: int, num_free_blocks: int,
-               holders: list[tuple[list[int], int, int]], free_runs, head_need_blocks: int,
-               running: int, waiting: int) -> KVSample:
-    """Classify every slot of the pool. holders: (block table, computed tokens, final tokens) per live
-    request; free_runs: a callable giving the free runs' lengths in blocks (only called when
-    something waits); head_need_blocks: blocks the head of the waiting queue needs (0: none waits).
-    """
-    bs = block_size
-    state = fill = alloc = 0
-    if sum(len(tb) for tb, _, _ in holders) == num_blocks - num_free_blocks:
-        for table, c, f in holders:  # no block is shared: per-request arithmetic
-            cap = len(table) * bs
-            alloc += cap
-            state += min(c, cap)
-            fill += min(max(f, c), cap)
-    else:  # shared blocks (prefix cache, n > 1): each physical block once, its slots in their best class
-        per_block: dict[int, list[int]] = {}
-        for table, c, f in holders:
-            for i, b in enumerate(table):
-                s, r = min(bs, max(0, c - i * bs)), min(bs, max(0, f - i * bs, c - i * bs))
-                cur = per_block.setdefault(b, [0, 0])
-                cur[0], cur[1] = max(cur[0], s), max(cur[1], r)
-        alloc = len(per_block) * bs
-        state = sum(s for s, _ in per_block.values())
-        fill = sum(r for _, r in per_block.values())
-    external = 0
-    if head_need_blocks > 1:
-        external = sum(n for n in free_runs() if n < head_need_blocks) * bs
-    pool = num_blocks * bs
-    return KVSample(t, pool, alloc, state, fill - state, alloc - fill, external, pool - alloc, running, waiting)
-
-
-def _final_tokens(prompt_len: int, max_tokens: int, max_model_len: int) -> int:
-    return min(prompt_len + max_tokens, max_model_len) - 1
-
-
-def sample_engine(engine, t: float, output_len: dict[str, int] | None = None) -> KVSample:
-    """Account the in-process engine's KV pool right now.
-
-    output_len: request id -> tokens it will really generate, where that is less than max_tokens.
-    """
-    kv, sched = engine.kv, engine.scheduler
-    output_len = output_len or {}
-    holders = [(r.block_table, r.num_computed_tokens,
-                _final_tokens(r.num_prompt_tokens, output_len.get(r.request_id, r.sampling.max_tokens),
-                              engine.max_model_len))
-               for r in sched.requests.values() if r.block_table and r.status.value != "swapped"]
-    need = 0
-    if sched.waiting:
-        need = kv.reservation_blocks(sched.waiting[0]) if hasattr(kv, "reservation_blocks") else 1
-    runs = (lambda: [n for _, n in kv.pool.free_runs()]) if hasattr(kv.pool, "free_runs") else (lambda: [])
-    return account_kv(t, kv.block_size, kv.num_gpu_blocks, kv.num_free_blocks, holders, runs, need,
-                      len(sched.running), len(sched.waiting))
-
-
-def sample_snapshot(snap: dict, t: float, max_model_len: int) -> KVSample:
-    """Account a ``/kv_cache`` snapshot (`Engine.kv_cache_snapshot`)."""
-    bs = snap["block_size"]
-    reqs = snap["requests"]
-    holders = [(r["block_table"], r["num_computed_tokens"],
-                _final_tokens(r["num_prompt_tokens"], r["max_tokens"], max_model_len))
-               for r in reqs if r["block_table"] and r["status"] != "swapped"]
-    head = next((r for r in reqs if r["status"] == "waiting"), None)
-    need = 0
-    if head is not None:
-        need = 1
-        if snap.get("allocator") == "contiguous":
-            need = -(-max(min(head["num_prompt_tokens"] + head["max_tokens"], max_model_len), head["num_tokens"]) // bs)
-    runs = lambda: [n for _, n in snap.get("free_runs", [])]  # noqa: E731
-    return account_kv(t, bs, snap["num_gpu_blocks"], snap["num_free_blocks"], holders, runs, need,
-                      snap["num_requests_running"], snap["num_requests_waiting"])
-
-
-def summarize_kv(samples: list[KVSample]) -> dict:
-    """Totals over samples (slot-samples, so busier instants weigh more) and the derived fractions.
-
-    utilization = token_state / allocated; each waste is also given as a fraction of allocated
-    (reservation, internal) or of the pool (external, free), with token state / pool.
-    """
-    keys = ("pool", "allocated", "token_state", "reservation", "internal", "external", "free")
-    tot = {k: sum(getattr(s, k) for s in samples) for k in keys}
-    busy = [s for s in samples if s.allocated]
-    a, p = tot["allocated"] or 1, tot["pool"] or 1
-    return {
-        "num_samples": len(samples),
-        "slot_totals": tot,
-        "utilization": tot["token_state"] / a,
-        "reservation_frac": tot["reservation"] / a,
-        "internal_frac": tot["internal"] / a,
-        "external_frac_of_pool": tot["external"] / p,
-        "token_state_frac_of_pool": tot["token_state"] / p,
-        "allocated_frac_of_pool": tot["allocated"] / p,
-        "mean_step_utilization": sum(s.token_state / s.allocated for s in busy) / len(busy) if busy else None,
-    }
-
-
 # ---- running a benchmark ----------------------------------------------------------------------
 
 @dataclass
@@ -337,7 +213,7 @@ def summarize_run(records: list[RequestRecord], samples: list[KVSample], num_pre
     ttft = [r.token_times[0] - r.submit for r in ok if r.token_times]
     itl = [b - a for r in ok for a, b in zip(r.token_times, r.token_times[1:])]
     e2e = [r.finish - r.submit for r in ok]
-    running = [s.running for s in samples]
+    peak_running, mean_running = running_stats(samples)
     return {
         "num_requests": len(records),
         "num_completed": len(ok),
@@ -351,10 +227,11 @@ def summarize_run(records: list[RequestRecord], samples: list[KVSample], num_pre
         "ttft_s": _latency_stats(ttft),
         "itl_s": _latency_stats(itl),
         "e2e_s": _latency_stats(e2e),
-        "peak_running": max(running, default=0),
-        "mean_running": sum(running) / len(running) if running else 0.0,
+        "peak_running": peak_running,
+        "mean_running": mean_running,  # time-weighted: admitted concurrency
         "num_preemptions": num_preemptions,
         "kv": summarize_kv(samples),
+        "step_time_fit": step_time_fit([(s.t, s.running) for s in samples]),
     }
 
 
@@ -526,10 +403,11 @@ def markdown_report(report: dict) -> str:
         st = s.get("setup", {})
         lines.append(f"\n`{name}`: " + ", ".join(f"{k}={v}" for k, v in st.items()))
     if report.get("comparison"):
-        c = report["comparison"]
+        c, reps = report["comparison"], report.get("comparison_repeats", [])
         lines += ["", "## paged vs contiguous (same trace, memory, model)", "",
-                  "| ratio (paged / contiguous) | value |", "| --- | ---: |"]
-        lines += [f"| {k} | {v:.2f}x |" for k, v in c.items()]
+                  "| ratio (paged / contiguous) | median | " + " | ".join(f"run {i + 1}" for i in range(len(reps))) + " |",
+                  "| --- | ---: |" + " ---: |" * len(reps)]
+        lines += [f"| {k} | {v:.2f}x | " + " | ".join(f"{r[k]:.2f}x" for r in reps) + " |" for k, v in c.items()]
     lines += ["", f"Trace: {ATTRIBUTION}"]
     return "\n".join(lines) + "\n"
 
@@ -567,10 +445,11 @@ def plot_utilization(runs: dict[str, dict], path: str, title: str) -> None:
         ax.set_ylim(0, 1)
         ax.set_ylabel("fraction of KV pool")
         ax.set_title(f"{name}: token state {_pct(s['kv']['utilization'])} of allocated", fontsize=10)
-    axes[0, 0].legend(loc="upper right", fontsize=7, ncol=5)
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", fontsize=8, ncol=5, frameon=False)
     axes[-1, 0].set_xlabel("time since first request (s)")
     fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -594,6 +473,8 @@ def plot_block_sweep(runs: dict[int, dict], path: str, title: str) -> None:
     ax2.plot(sizes, [runs[b]["output_token_throughput"] for b in sizes], "s--", color="#1c7ed6",
              label="output tokens/s")
     ax2.set_ylabel("output tokens/s")
+    ax.set_ylim(0, 100)
+    ax2.set_ylim(bottom=0)
     fig.legend(loc="lower left", fontsize=8)
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
@@ -653,6 +534,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "across allocators and block sizes")
     g.add_argument("--compare-allocators", action="store_true",
                    help="run paged and contiguous on the same requests and memory; report the ratios")
+    g.add_argument("--repeats", type=lambda s: _int_pos(s), default=1,
+                   help="--compare-allocators: run the pair N times, alternating the order; ratios are medians")
     g.add_argument("--block-size-sweep", type=_block_sizes, default=None, metavar="B1,B2,...",
                    help="run once per block size (same pool in tokens)")
     g.add_argument("--url", default=None, help="benchmark a running `pagedkv serve` (e.g. http://127.0.0.1:8000) "
@@ -735,9 +618,17 @@ def main(args: argparse.Namespace, config, max_model_len: int, vocab_size: int) 
         runs["server"] = _run(run_against_url(args.url, requests, vocab_size, seed=args.seed,
                                                      poll_interval=args.poll_interval, progress=progress))
     elif args.compare_allocators:
-        for alloc in ("paged", "contiguous"):
-            runs[alloc] = _run(run_in_process(engine_config(kv_allocator=alloc), requests, seed=args.seed,
-                                              progress=progress, desc=alloc))
+        repeats = []
+        for i in range(args.repeats):  # alternate the order, so load drift on the machine hits both alike
+            pair = {}
+            for alloc in ("paged", "contiguous") if i % 2 == 0 else ("contiguous", "paged"):
+                pair[alloc] = _run(run_in_process(engine_config(kv_allocator=alloc), requests, seed=args.seed,
+                                                  progress=progress, desc=f"{alloc} {i + 1}/{args.repeats}"))
+            repeats.append(pair)
+        runs.update(repeats[0])
+        if args.repeats > 1:
+            runs.update({f"{alloc} (repeat {i + 1})": pair[alloc] for i, pair in enumerate(repeats[1:], start=1)
+                         for alloc in ("paged", "contiguous")})
     elif args.block_size_sweep:
         for bs in args.block_size_sweep:
             runs[f"block_size={bs}"] = _run(run_in_process(engine_config(block_size=bs), requests, seed=args.seed,
@@ -748,7 +639,9 @@ def main(args: argparse.Namespace, config, max_model_len: int, vocab_size: int) 
     report = {"workload": workload, "runs": runs, "attribution": ATTRIBUTION,
               "machine": machine_info()}
     if args.compare_allocators:
-        report["comparison"] = compare(runs["paged"], runs["contiguous"])
+        ratios = [compare(pair["paged"], pair["contiguous"]) for pair in repeats]
+        report["comparison"] = {k: statistics.median(r[k] for r in ratios) for k in ratios[0]}
+        report["comparison_repeats"] = ratios
     name = args.name or Path(args.trace).stem
     os.makedirs(args.output_dir, exist_ok=True)
     out = Path(args.output_dir)
@@ -756,7 +649,8 @@ def main(args: argparse.Namespace, config, max_model_len: int, vocab_size: int) 
     md = markdown_report(report)
     (out / f"{name}.md").write_text(md)
     if not args.no_plots:
-        plot_utilization(runs, str(out / f"{name}-utilization.png"), f"KV slots over time: {path.name}")
+        first = {k: v for k, v in runs.items() if "repeat" not in k}  # one panel per allocator
+        plot_utilization(first, str(out / f"{name}-utilization.png"), f"KV slots over time: {path.name}")
         if args.block_size_sweep:
             plot_block_sweep({int(k.split("=")[1]): v for k, v in runs.items()}, str(out / f"{name}-block-sizes.png"),
                              f"block-size sweep: {path.name}")

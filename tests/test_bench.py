@@ -14,8 +14,8 @@ from aiohttp.test_utils import TestServer
 
 from common.config import EngineConfig
 from scheduler.api import build_app
-from scheduler.bench import (TraceRow, account_kv, build_requests, load_trace, percentile, run_against_url,
-                             summarize_kv)
+from scheduler.bench import TraceRow, build_requests, load_trace, percentile, run_against_url
+from scheduler.kv_accounting import account_kv, running_stats, summarize_kv
 from scheduler.cli import main
 from scheduler.engine import Engine
 
@@ -78,6 +78,11 @@ def test_trace_loading_scaling_and_clipping(tmp_path):
     bad.write_text("TIMESTAMP,ContextTokens\n2023-11-16 18:00:00,1\n")
     with pytest.raises(ValueError, match="GeneratedTokens"):
         load_trace(bad)
+
+
+def test_mean_running_is_weighted_by_time():
+    mk = lambda t, running: account_kv(t, 4, 10, 10, [], lambda: [], 0, running, 0)  # noqa: E731
+    assert running_stats([mk(0.0, 2), mk(1.0, 10), mk(1.5, 0), mk(3.0, 0)]) == (10, (2 * 1.0 + 10 * 0.5) / 3.0)
 
 
 def test_percentile_interpolates():

@@ -21,9 +21,8 @@ if importlib.util.find_spec("triton") is None:
 
 
 async def test_triton_backend_engine_reproduces_the_stories260k_golden(stories260k, monkeypatch):
-    monkeypatch.setenv("PAGEDKV_ATTENTION_BACKEND", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    engine = await Engine.start(EngineConfig(model=str(stories260k), device="cpu"))
+    engine = await Engine.start(EngineConfig(model=str(stories260k), device="cpu", attention_backend="triton"))
     try:
         tokens, text = [], ""
         async for out in engine.add_request(GOLDEN_PROMPT_IDS,
@@ -35,3 +34,16 @@ async def test_triton_backend_engine_reproduces_the_stories260k_golden(stories26
         await engine.shutdown()
     assert tokens == GOLDEN_OUTPUT_IDS
     assert text == GOLDEN_COMPLETION
+
+
+async def test_attention_backend_triton_really_runs_triton(stories260k, monkeypatch):
+    """Triton cannot run on CPU tensors without the interpreter: the step must fail, not fall back to torch."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("PAGEDKV_ATTENTION_BACKEND", raising=False)
+    engine = await Engine.start(EngineConfig(model=str(stories260k), device="cpu", attention_backend="triton",
+                                             swap_space=0.01))
+    try:
+        outs = [o async for o in engine.add_request(GOLDEN_PROMPT_IDS, SamplingParams(temperature=0, max_tokens=2))]
+    finally:
+        await engine.shutdown()
+    assert outs[-1].finish_reason == "error" and outs[-1].error.startswith("worker error: ")

@@ -157,6 +157,9 @@ class EngineConfig(msgspec.Struct):
     worker_timeout: float = 120.0
     attention_backend: str | None = None  # None: triton on CUDA, torch on CPU
     kv_allocator: str = "paged"  # paged | contiguous (the pre-paging baseline `pagedkv bench` compares)
+    preemption_mode: str = "auto"  # recompute | swap | auto (cheaper per victim; scheduler.preemption)
+    scheduling_policy: str = "fcfs"  # fcfs | priority (lower ``priority`` value first, as vLLM)
+    otlp_traces_endpoint: str | None = None  # OTLP/HTTP traces URL; tracing also follows OTEL_* variables
 
 
 def resolve_max_model_len(model: ModelConfig, requested: int | None) -> int:

@@ -408,8 +408,11 @@ class _API:
         self.engine = engine
         self.created = int(time.time())  # the model card's "created": when serving began
 
-    def _extra(self, req: _SamplingFields) -> dict:
-        return {"priority": req.priority, "cache_salt": req.cache_salt}
+    def _extra(self, req: _SamplingFields, request: web.Request) -> dict:
+        extra = {"priority": req.priority, "cache_salt": req.cache_salt}
+        if traceparent := request.headers.get("traceparent"):  # W3C Trace Context: continue the client's trace
+            extra["traceparent"] = traceparent
+        return extra
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/completions (OpenAI "Create completion")."""
@@ -424,7 +427,7 @@ class _API:
             prompt_texts = [t if t is not None else engine.tokenizer.decode(ids) for t, ids in zip(prompt_texts, prompts)]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        gen = _Generation(engine, prompts, params, request_id, self._extra(req))
+        gen = _Generation(engine, prompts, params, request_id, self._extra(req, request))
         model = engine.model_config.name
         offsets = [len(prompt_texts[i // params.n]) if req.echo else 0 for i in range(len(gen.choices))]
 
@@ -520,7 +523,7 @@ class _API:
                                   logprobs=(req.top_logprobs or 0) if req.logprobs else None)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        gen = _Generation(engine, [prompt], params, request_id, self._extra(req))
+        gen = _Generation(engine, [prompt], params, request_id, self._extra(req, request))
         model = engine.model_config.name
 
         if not req.stream:

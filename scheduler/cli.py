@@ -81,6 +81,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    metavar="GIB", help="CPU: KV pool budget in GiB")
     g.add_argument("--swap-space", type=_float_in(0.0), default=d.swap_space, metavar="GIB",
                    help="host memory for swapped-out KV blocks, GiB")
+    g.add_argument("--preemption-mode", choices=["recompute", "swap", "auto"], default=d.preemption_mode,
+                   help="how a request gives up its KV blocks when the pool runs dry: recompute them later, "
+                        "swap them to host memory, or auto: per victim, whichever the cost model says is cheaper")
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=d.scheduling_policy,
+                   help="fcfs: arrival order; priority: lower request `priority` first, the lowest-priority "
+                        "latest arrival is preempted first")
+    g.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="send OpenTelemetry traces (a span per request, one per preemption) over OTLP/HTTP "
+                        "to URL (e.g. http://localhost:4318); OTEL_TRACES_EXPORTER=console|otlp|none also works")
     g.add_argument("--max-num-seqs", type=_int_in(1), default=d.max_num_seqs,
                    help="requests in the running batch at most")
     g.add_argument("--max-num-batched-tokens", type=_int_in(1), default=d.max_num_batched_tokens,
@@ -126,7 +135,9 @@ def _engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         swap_space=args.swap_space, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len, max_n=args.max_n,
         max_logprobs=args.max_logprobs, worker_timeout=args.worker_timeout,
-        attention_backend=args.attention_backend, kv_allocator=args.kv_allocator)
+        attention_backend=args.attention_backend, kv_allocator=args.kv_allocator,
+        preemption_mode=args.preemption_mode, scheduling_policy=args.scheduling_policy,
+        otlp_traces_endpoint=args.otlp_traces_endpoint)
 
 
 def _run(coro) -> int:

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_COUNT_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 
 
 class Metrics:
@@ -32,6 +33,11 @@ class Metrics:
         self.ttft = Histogram("pagedkv:time_to_first_token_seconds", "Time to first token.", labels, buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("pagedkv:inter_token_latency_seconds", "Time between consecutive output tokens.", labels, buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("pagedkv:e2e_request_latency_seconds", "Arrival to finish.", labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.num_swapped = Gauge("pagedkv:num_requests_swapped", "Requests swapped out to the host pool.", labels, registry=r)
+        self.cpu_kv_cache_usage = Gauge("pagedkv:cpu_kv_cache_usage_perc", "Fraction of host swap blocks holding swapped-out KV (0-1).", labels, registry=r)
+        self.blocks_swapped_out = Counter("pagedkv:num_blocks_swapped_out", "KV blocks copied from the device pool to the host pool.", labels, registry=r)
+        self.blocks_swapped_in = Counter("pagedkv:num_blocks_swapped_in", "KV blocks copied from the host pool back to the device pool.", labels, registry=r)
+        self.request_preemptions = Histogram("pagedkv:request_num_preemptions", "Preemptions of each finished request (all its sequences).", labels, buckets=_COUNT_BUCKETS, registry=r)
         self.model_name = model_name
         self._l = {"model_name": model_name}
 
@@ -43,6 +49,20 @@ class Metrics:
 
     def on_preemption(self, mode: str) -> None:
         self.num_preemptions.labels(mode=mode, **self._l).inc()
+
+    def on_swap(self, num_blocks_out: int, num_blocks_in: int) -> None:
+        """One step's swaps, in blocks each way."""
+        self.blocks_swapped_out.labels(**self._l).inc(num_blocks_out)
+        self.blocks_swapped_in.labels(**self._l).inc(num_blocks_in)
+
+    def on_host_pool(self, num_swapped: int, cpu_usage: float) -> None:
+        """Requests swapped out now, and the fraction of host blocks they hold."""
+        self.num_swapped.labels(**self._l).set(num_swapped)
+        self.cpu_kv_cache_usage.labels(**self._l).set(cpu_usage)
+
+    def on_request_preemptions(self, num_preemptions: int) -> None:
+        """A finished request was preempted ``num_preemptions`` times (all its sequences together)."""
+        self.request_preemptions.labels(**self._l).observe(num_preemptions)
 
     def on_admitted(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
         self.prompt_tokens.labels(**self._l).inc(num_prompt_tokens)

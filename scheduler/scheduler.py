@@ -6,18 +6,23 @@ computed yet (1 when decoding, the rest of its prompt when prefilling, in chunks
 short). When one cannot get a block, the most recently admitted running request is preempted
 (recompute: its blocks are freed and it returns to the head of the waiting queue, to recompute
 prompt + generated tokens later) — until the blocks suffice or the request itself was the victim.
-If nothing was preempted, waiting requests are then admitted first-come first-served while the
-budget, ``max_num_seqs`` and the free blocks allow. (PagedAttention, Kwon et al., SOSP 2023, §4.5.)
+If nothing was preempted, swapped-out requests are swapped back in first, then waiting requests
+are admitted first-come first-served while the budget, ``max_num_seqs`` and the free blocks allow.
+Victim and mode (recompute or swap) are `scheduler.preemption` policy; host blocks are
+`scheduler.swap` accounting. A step never swaps both ways: a host block freed by a swap-in could
+be overwritten by a swap-out in the same plan. (PagedAttention, Kwon et al., SOSP 2023, §4.5.)
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import msgspec
 
 from common.protocol import CachedRequestData, NewRequestData, StepPlan
 from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.preemption import Preemption, PreemptionPolicy, Resumption, enqueue
 from scheduler.request import Request, RequestStatus
 
 
@@ -27,15 +32,22 @@ class ScheduledStep(msgspec.Struct):
     plan: StepPlan
     num_scheduled_tokens: dict[str, int]  # request id -> tokens computed this step
     preempted: list[Request]
+    preemptions: list[Preemption] = []  # how each group in ``preempted`` was preempted, and why
+    resumptions: list[Resumption] = []  # preempted requests that run again in this step
 
 
 class Scheduler:
     """Owns the waiting and running queues and turns them into step plans."""
 
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 policy: PreemptionPolicy | None = None):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy or PreemptionPolicy()  # default: FCFS, recompute only
+        self.swapped: deque[Request] = deque()  # swapped out, in resumption order
+        self._swaps_out: list[tuple[int, int]] = []  # (device, host) pairs for the next plan
+        self._preemptions: list[Preemption] = []
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -48,15 +60,16 @@ class Scheduler:
         self.requests[request.request_id] = request
         for child in request.pending_forks:
             self.requests[child.request_id] = child
-        self.waiting.append(request)
+        enqueue(self.waiting, request, self.policy)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._finished_ids)
+        return bool(self.waiting or self.running or self.swapped or self._finished_ids)
 
     def schedule(self) -> ScheduledStep:
         budget = self.max_num_batched_tokens
         chosen: dict[str, tuple[Request, int, int]] = {}  # id -> (request, tokens, blocks it takes)
+        need = 0  # blocks the chosen requests take
         preempted: list[Request] = []
 
         # 1. running requests, oldest admission first. Blocks are counted first and allocated
@@ -69,19 +82,24 @@ class Scheduler:
                 i += 1
                 continue
             blocks = self.kv.num_blocks_to_allocate(req, n)
-            while sum(c[2] for c in chosen.values()) + blocks > self.kv.num_free_blocks:
-                for victim in self._group_running(self.running[-1]):  # the most recently admitted
+            num_preempted = len(preempted)
+            while need + blocks > self.kv.num_free_blocks:
+                victims = self._group_running(self.policy.victim(self.running))
+                for victim in victims:
                     if (c := chosen.pop(victim.request_id, None)) is not None:
                         budget += c[1]
-                    self._preempt(victim)
-                    preempted.append(victim)
+                        need -= c[2]
+                self._preempt_group(victims, f"kv_cache_full: no free block for {req.request_id}")
+                preempted.extend(victims)
                 if req.status != RequestStatus.RUNNING:
                     break
             if req.status != RequestStatus.RUNNING:
                 break  # req preempted itself; everything after it is gone too
             chosen[req.request_id] = (req, n, blocks)
             budget -= n
-            i = self.running.index(req) + 1  # group preemption may have removed earlier members
+            need += blocks
+            # a group preemption may have removed members before req: find it again (rare)
+            i = i + 1 if len(preempted) == num_preempted else self.running.index(req) + 1
 
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
@@ -98,9 +116,22 @@ class Scheduler:
             else:  # forked this step (n > 1, beam search): the worker gets it whole
                 new_reqs.append(self._new_request_data(req, n))
 
-        # 2. admit waiting requests FCFS, unless this step already had to preempt; a group of
-        # siblings is admitted all together or not at all
-        while not preempted and self.waiting and budget > 0:
+        # 2. swap swapped-out requests back in, oldest first, unless this step preempted
+        resumptions: list[Resumption] = []
+        swaps_in: list[tuple[int, int]] = []
+        while not preempted and self.swapped and budget > 0:
+            if (resumed := self._swap_in(self._group_swapped(self.swapped[0]), budget, swaps_in)) is None:
+                break
+            for req, n in resumed:
+                resumptions.append(Resumption(req.request_id, "swap_in", len(req.block_table), time.monotonic()))
+                if n:
+                    num_scheduled[req.request_id] = n
+                    budget -= n
+                    new_reqs.append(self._new_request_data(req, n))
+
+        # 3. admit waiting requests FCFS once nobody is swapped out, unless this step already had
+        # to preempt; a group of siblings is admitted all together or not at all
+        while not preempted and not self.swapped and self.waiting and budget > 0:
             group = self._group_waiting(self.waiting[0])
             if len(self.running) + len(group) > self.max_num_seqs:
                 break
@@ -115,6 +146,8 @@ class Scheduler:
                 if req.num_preemptions == 0:
                     req.num_cached_tokens = len(hits) * self.kv.block_size
                     self.kv.record_prefix_query(req.num_prompt_tokens, req.num_cached_tokens)
+                else:
+                    resumptions.append(Resumption(req.request_id, "recompute", len(hits), time.monotonic()))
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 num_scheduled[req.request_id] = n
@@ -126,10 +159,11 @@ class Scheduler:
 
         self._step_id += 1
         plan = StepPlan(step_id=self._step_id, new_requests=new_reqs, cached_requests=cached_reqs,
-                        finished_request_ids=self._finished_ids,
-                        blocks_to_copy=self.kv.take_pending_copies())
-        self._finished_ids = []
-        return ScheduledStep(plan, num_scheduled, preempted)
+                        finished_request_ids=self._finished_ids, blocks_to_swap_out=self._swaps_out,
+                        blocks_to_swap_in=swaps_in, blocks_to_copy=self.kv.take_pending_copies())
+        self._finished_ids, self._swaps_out = [], []
+        preemptions, self._preemptions = self._preemptions, []
+        return ScheduledStep(plan, num_scheduled, preempted, preemptions, resumptions)
 
     def _num_new_tokens(self, req: Request, budget: int, num_cached: int = 0) -> int:
         """Tokens to compute this step: the rest, within the budget; a group leader stops at its fork point."""
@@ -163,7 +197,68 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._drop_from_worker(req)
-        self.waiting.appendleft(req)
+        enqueue(self.waiting, req, self.policy, front=True)
+
+    def _preempt_group(self, group: list[Request], reason: str) -> None:
+        """Preempt a victim and its running siblings together, by the mode the policy picks."""
+        decision = self.policy.decide(group, reason)
+        self._preemptions.append(decision)
+        if decision.mode == "recompute":
+            for req in group:
+                self._preempt(req)
+            return
+        self._swaps_out += self.policy.swap.swap_out(group)
+        for req in group:  # swap: the blocks went to the host pool; num_computed_tokens stays
+            self.running.remove(req)
+            self.kv.replaced_blocks.pop(req.request_id, None)  # the worker gets the whole table back
+            req.status = RequestStatus.SWAPPED
+            req.num_preemptions += 1
+            self.num_preemptions += 1
+            self._drop_from_worker(req)
+            enqueue(self.swapped, req, self.policy, front=True)  # resumed before later arrivals
+
+    def _group_swapped(self, req: Request) -> list[Request]:
+        """``req`` and its swapped-out siblings: they went out together and come back together."""
+        return [m for m in req.group if m.status == RequestStatus.SWAPPED] or [req]
+
+    def _swap_in(self, group: list[Request], budget: int,
+                 pairs: list[tuple[int, int]]) -> list[tuple[Request, int]] | None:
+        """Swap a group back in and give each member this step's blocks; None when it does not fit.
+
+        Counts first (its host blocks, the blocks its next tokens take, the copy-on-write copies of
+        shared partly filled blocks), so nothing changes unless everything fits. Returns each
+        member with its tokens this step (0 when the budget ran out: it runs next step). A group
+        that cannot fit even with nothing running gives up its host copy and is recomputed instead.
+        """
+        swap, bs = self.policy.swap, self.kv.block_size
+        need = swap.num_blocks_to_swap_in(group)
+        tokens, left, writers = [], budget, {}
+        for req in group:
+            n = self._num_new_tokens(req, left)
+            table = swap.host_tables[req.request_id]
+            need += max(self.kv.blocks_needed(req.num_computed_tokens + n) - len(table), 0)
+            if n and (index := req.num_computed_tokens // bs) < len(table):
+                writers[table[index]] = writers.get(table[index], 0) + 1
+            tokens.append(n)
+            left -= n
+        # a block k tables share, written by w of them: min(w, k - 1) copies (the last writer keeps it)
+        need += sum(min(w, swap.host.blocks[h].ref_cnt - 1) for h, w in writers.items())
+        if need > self.kv.num_free_blocks or len(self.running) + len(group) > self.max_num_seqs:
+            if not self.running:
+                for req in group:
+                    self.swapped.remove(req)
+                    swap.free(req)
+                    req.status, req.num_computed_tokens = RequestStatus.WAITING, 0
+                    enqueue(self.waiting, req, self.policy, front=True)
+            return None
+        pairs += swap.swap_in(group)
+        for req, n in zip(group, tokens):
+            self.swapped.remove(req)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            if n:
+                assert self.kv.allocate_slots(req, n) is not None, "blocks were counted before allocation"
+        return list(zip(group, tokens))
 
     def _drop_from_worker(self, req: Request) -> None:
         if req.in_worker:
@@ -199,6 +294,9 @@ class Scheduler:
         assert status.finished
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+        elif req.status == RequestStatus.SWAPPED:
+            self.swapped.remove(req)
+            self.policy.swap.free(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         else:  # a sibling not forked yet

@@ -67,7 +67,7 @@ async def test_chunked_prefill_and_block_size_8_give_the_golden(start):
 
 
 async def test_sixteen_requests_on_a_tiny_pool_are_preempted_and_still_golden(start):
-    engine = await start(num_gpu_blocks=12, enable_prefix_caching=False)
+    engine = await start(num_gpu_blocks=12, enable_prefix_caching=False, preemption_mode="recompute")
     results = await asyncio.gather(*[collect(engine.add_request(GOLDEN_PROMPT_IDS, GREEDY)) for _ in range(16)])
     assert all(tokens == GOLDEN_OUTPUT_IDS and text == GOLDEN_COMPLETION for tokens, text, _ in results)
     preemptions = metric(engine, "pagedkv:num_preemptions_total", mode="recompute")

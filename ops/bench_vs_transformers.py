@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import json
 import random
+import statistics
 import sys
 import time
 
@@ -67,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--hf-batch-size", default="8,32", help="static batch sizes to try, comma-separated")
     p.add_argument("--max-num-seqs", type=int, default=256, help="pagedkv's running batch limit")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="rounds of (pagedkv, each batch size), order alternating; the ratio is the median")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="FILE")
     args = p.parse_args(argv)
@@ -74,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         batch_sizes = [int(x) for x in args.hf_batch_size.split(",")]
     except ValueError:
         p.error(f"--hf-batch-size must be comma-separated integers, got {args.hf_batch_size!r}")
-    if args.num_requests < 1 or any(b < 1 for b in batch_sizes):
-        p.error("--num-requests and --hf-batch-size must be >= 1")
+    if args.num_requests < 1 or args.repeats < 1 or any(b < 1 for b in batch_sizes):
+        p.error("--num-requests, --repeats and --hf-batch-size must be >= 1")
     try:
         import transformers  # noqa: F401
     except ImportError:
@@ -92,9 +95,21 @@ def main(argv: list[str] | None = None) -> int:
     max_tokens = [r.max_tokens for r in requests]
 
     config = EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs, seed=args.seed)
-    paged = asyncio.run(run_in_process(config, requests, seed=args.seed, progress=False, desc="pagedkv",
-                                       account_kv_every_step=False))
-    hf = [run_transformers(args.model, prompts, max_tokens, b) for b in batch_sizes]
+    rounds = []  # each: (pagedkv summary, [transformers result per batch size]); load on a shared machine drifts
+    for i in range(args.repeats):
+        run_paged = lambda: asyncio.run(run_in_process(config, requests, seed=args.seed, progress=False,  # noqa: E731
+                                                       desc="pagedkv", account_kv_every_step=False))
+        if i % 2 == 0:
+            paged = run_paged()
+            hf = [run_transformers(args.model, prompts, max_tokens, b) for b in batch_sizes]
+        else:
+            hf = [run_transformers(args.model, prompts, max_tokens, b) for b in batch_sizes]
+            paged = run_paged()
+        paged.pop("samples", None)
+        rounds.append((paged, hf))
+    ratios = [[p["output_token_throughput"] / h["output_token_throughput"] for h in hf] for p, hf in rounds]
+    median_ratio = [statistics.median(r[j] for r in ratios) for j in range(len(batch_sizes))]
+    paged, hf = rounds[0]
 
     print(f"{len(requests)} requests from {path.name}, tokens x{scale:.4f} (max_model_len / p99), {clipped} clipped; "
           f"mean prompt {sum(map(len, prompts)) / len(prompts):.1f}, mean output {sum(max_tokens) / len(max_tokens):.1f}")
@@ -102,15 +117,16 @@ def main(argv: list[str] | None = None) -> int:
     print("| --- | --- | ---: | ---: | ---: | ---: |")
     print(f"| pagedkv | continuous, paged KV | {paged['duration_s']:.2f} | {paged['output_token_throughput']:.1f} "
           f"| {paged['request_throughput']:.2f} | 1.00x |")
-    for h in hf:
-        ratio = paged["output_token_throughput"] / h["output_token_throughput"]
+    for j, h in enumerate(hf):
+        each = ", ".join(f"{r[j]:.2f}" for r in ratios)
         print(f"| transformers generate | static, batch {h['batch_size']} | {h['wall_s']:.2f} "
-              f"| {h['output_token_throughput']:.1f} | {h['request_throughput']:.2f} | {ratio:.2f}x |")
+              f"| {h['output_token_throughput']:.1f} | {h['request_throughput']:.2f} | **{median_ratio[j]:.2f}x** ({each}) |")
+    print(f"\n(first round shown; the ratio is the median over {args.repeats} rounds, each round's in parentheses)")
     print(f"\nTrace: {ATTRIBUTION}")
     if args.json:
-        paged.pop("samples", None)
         with open(args.json, "w") as f:
-            json.dump({"pagedkv": paged, "transformers": hf, "token_scale": scale, "num_clipped": clipped,
+            json.dump({"rounds": [{"pagedkv": p, "transformers": h} for p, h in rounds], "ratios": ratios,
+                       "median_ratio": median_ratio, "token_scale": scale, "num_clipped": clipped,
                        "trace": path.name, "machine": machine_info(), "attribution": ATTRIBUTION}, f, indent=1)
     return 0
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import random
 import statistics
@@ -79,9 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--hf-batch-size must be comma-separated integers, got {args.hf_batch_size!r}")
     if args.num_requests < 1 or args.repeats < 1 or any(b < 1 for b in batch_sizes):
         p.error("--num-requests, --repeats and --hf-batch-size must be >= 1")
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("transformers") is None:
         p.error("this comparison needs transformers: pip install 'pagedkv[bench]'")
 
     model = ModelConfig.load(args.model)

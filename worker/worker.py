@@ -74,6 +74,9 @@ def load(msg: LoadModel) -> tuple[ModelRunner, WorkerHello]:
         os.environ["PAGEDKV_ATTENTION_BACKEND"] = cfg.attention_backend
     model_config = ModelConfig.load(cfg.model)
     device = select_device(cfg, msg.rank)
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # leave a core to the control plane: OpenMP threads spinning against it slow steps by 100x
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     dtype = select_dtype(cfg, model_config, device)
     runner = ModelRunner(cfg, device, dtype, model_config)
     hello = WorkerHello(rank=msg.rank, device=str(device), dtype=str(dtype).removeprefix("torch."),

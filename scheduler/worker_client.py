@@ -120,6 +120,8 @@ class WorkerClient:
             except zmq.ZMQError:
                 pass
         if self.process is not None:
+            if self.failed is not None and self.process.poll() is None:
+                self.process.terminate()  # it missed a deadline: do not wait for it to notice
             try:
                 await asyncio.get_running_loop().run_in_executor(None, self.process.wait, 10)
             except subprocess.TimeoutExpired:

@@ -69,7 +69,11 @@ class Preemption(msgspec.Struct):
 
 
 class Resumption(msgspec.Struct):
-    """A preempted request runs again: ``mode`` is "swap_in" or "recompute"; num_blocks moved in."""
+    """A preempted request runs again: ``mode`` is "swap_in" or "recompute".
+
+    num_blocks: blocks in its table after a swap-in, or blocks found in the prefix cache on a
+    recompute. time: time.monotonic() seconds.
+    """
 
     request_id: str
     mode: str
@@ -170,8 +174,10 @@ class PreemptionPolicy:
         fallback = None
         if want_swap and num_tokens == 0:
             want_swap, fallback = False, "no computed tokens: nothing to keep"
-        elif want_swap and (self.swap is None or not self.swap.can_swap_out(group)):
-            free = self.swap.num_free_cpu_blocks if self.swap else 0
+        elif want_swap and self.swap is None:
+            want_swap, fallback = False, "no host pool (the contiguous allocator cannot swap)"
+        elif want_swap and not self.swap.can_swap_out(group):
+            free = self.swap.num_free_cpu_blocks
             want_swap, fallback = False, f"host pool full: {num_blocks} blocks needed, {free} free"
         return Preemption(
             request_ids=[r.request_id for r in group], mode="swap" if want_swap else "recompute", reason=reason,

@@ -98,7 +98,7 @@ def test_swap_falls_back_to_recompute_when_the_host_pool_is_full_or_there_is_not
     d = policy.decide([req("fresh", blocks=[5], computed=0)], "r")
     assert (d.mode, d.fallback) == ("recompute", "no computed tokens: nothing to keep")
     d = PreemptionPolicy("swap", swap=None).decide([big], "r")
-    assert (d.mode, d.fallback) == ("recompute", "host pool full: 3 blocks needed, 0 free")
+    assert (d.mode, d.fallback) == ("recompute", "no host pool (the contiguous allocator cannot swap)")
     assert PreemptionPolicy("recompute", swap=SwapSpace(8, device)).decide([big], "r").mode == "recompute"
 
 
@@ -210,3 +210,20 @@ async def test_priority_policy_in_the_engine_never_preempts_the_urgent_request(s
         assert engine.scheduler.num_preemptions > 0 and urgent.num_preemptions == 0
     finally:
         await engine.shutdown()
+
+
+def test_cli_flags_reach_the_engine_config(stories260k):
+    from scheduler.cli import _engine_config, build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--model", str(stories260k), "--preemption-mode", "swap",
+                              "--scheduling-policy", "priority", "--otlp-traces-endpoint", "http://otel:4318",
+                              "--swap-space", "0.5"])
+    cfg = _engine_config(args, parser)
+    assert (cfg.preemption_mode, cfg.scheduling_policy, cfg.otlp_traces_endpoint, cfg.swap_space) == (
+        "swap", "priority", "http://otel:4318", 0.5)
+    defaults = _engine_config(parser.parse_args(["serve", "--model", str(stories260k)]), parser)
+    assert (defaults.preemption_mode, defaults.scheduling_policy, defaults.otlp_traces_endpoint) == ("auto", "fcfs", None)
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(["serve", "--preemption-mode", "sometimes"])
+    assert e.value.code == 2

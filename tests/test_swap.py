@@ -361,3 +361,22 @@ async def test_kv_cache_snapshot_lists_swapped_requests_and_host_blocks(start):
     assert snap["num_free_cpu_blocks"] == snap["num_cpu_blocks"] - held  # n = 1: no shared host blocks
     assert snap["cpu_usage"] == pytest.approx(held / snap["num_cpu_blocks"])
     assert all(r["num_computed_tokens"] > 0 for r in snap["swapped_requests"])
+
+
+def test_the_swap_microbenchmark_times_every_block_size_on_the_real_model(stories260k):
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ops"))
+    from bench_swap import BLOCK_SIZES, measure
+
+    from common.config import ModelConfig
+
+    rows, bandwidth = measure(ModelConfig.load(str(stories260k)), EngineConfig(model=str(stories260k)),
+                              torch.device("cpu"), torch.float32, num_tokens=40, repeats=1)
+    assert bandwidth > 0
+    assert [(r["block_size"], r["num_blocks"], r["bytes"]) for r in rows] == [
+        (bs, -(-40 // bs), -(-40 // bs) * bs * 1280) for bs in BLOCK_SIZES]  # 1280 B of KV per token
+    assert all(r["swap_s"] > 0 and r["recompute_s"] > 0 and r["auto"] in ("swap", "recompute") for r in rows)

@@ -90,6 +90,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                    help="send OpenTelemetry traces (a span per request, one per preemption) over OTLP/HTTP "
                         "to URL (e.g. http://localhost:4318); OTEL_TRACES_EXPORTER=console|otlp|none also works")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
+                   help="reuse the KV blocks of identical prompt prefixes (full blocks only)")
+    g.add_argument("--prefix-caching-hash-algo", choices=["sha256", "xxhash"], default=d.prefix_caching_hash_algo,
+                   help="hash naming cached blocks; sha256 (default) resists collisions between tenants")
     g.add_argument("--max-num-seqs", type=_int_in(1), default=d.max_num_seqs,
                    help="requests in the running batch at most")
     g.add_argument("--max-num-batched-tokens", type=_int_in(1), default=d.max_num_batched_tokens,
@@ -136,6 +140,7 @@ def _engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len, max_n=args.max_n,
         max_logprobs=args.max_logprobs, worker_timeout=args.worker_timeout,
         attention_backend=args.attention_backend, kv_allocator=args.kv_allocator,
+        enable_prefix_caching=args.enable_prefix_caching, prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         preemption_mode=args.preemption_mode, scheduling_policy=args.scheduling_policy,
         otlp_traces_endpoint=args.otlp_traces_endpoint)
 

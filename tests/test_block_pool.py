@@ -182,3 +182,11 @@ def test_fork_shares_every_block_and_the_first_write_copies_only_the_partial_one
     parent.token_ids.append(7)
     assert kv.allocate_slots(parent, 1) == [] and kv.pending_copies == []  # sole owner now: no copy
     kv.pool.check_invariants([parent.block_table, child.block_table])
+
+
+def test_xxhash_names_blocks_too_and_hits_the_same_prefix():
+    kv = KVCacheManager(8, block_size=4, hash_algo="xxhash")
+    a = Request("a", list(range(9)), SamplingParams())
+    kv.allocate_slots(a, 9)
+    assert [b.block_id for b in kv.find_cached_prefix(Request("b", list(range(9)), SamplingParams()))] == [0, 1]
+    assert all(len(h) == 16 for h in kv.pool.cached)  # xxh3-128 digests

@@ -199,3 +199,14 @@ def test_serve_embedded_default_with_an_external_worker_says_weights_are_random(
                 p.kill()
                 p.wait()
     assert not os.path.exists(address[len("ipc://"):])
+
+
+def test_prefix_caching_flags_reach_the_engine_config():
+    from scheduler.cli import _engine_config, build_parser
+
+    parser = build_parser()
+    on = _engine_config(parser.parse_args(["serve"]), parser)
+    off = _engine_config(parser.parse_args(["serve", "--no-enable-prefix-caching",
+                                            "--prefix-caching-hash-algo", "xxhash"]), parser)
+    assert (on.enable_prefix_caching, on.prefix_caching_hash_algo) == (True, "sha256")
+    assert (off.enable_prefix_caching, off.prefix_caching_hash_algo) == (False, "xxhash")

@@ -37,3 +37,71 @@ def stories260k_path() -> Path:
 def stories260k() -> Path:
     """Path to the stories260K checkpoint directory (see `stories260k_path`)."""
     return stories260k_path()
+
+
+# ---- shared helpers for engine tests ------------------------------------------------------------
+
+@pytest.fixture
+async def start(stories260k):
+    """Start engines on stories260K (keyword args: EngineConfig fields); every one is shut down after.
+
+    swap_space defaults to 0.01 GiB (524 host blocks), enough for any test and cheap to allocate.
+    """
+    from common.config import EngineConfig
+    from scheduler.engine import Engine
+
+    engines = []
+
+    async def _start(**kw):
+        kw.setdefault("swap_space", 0.01)
+        engine = await Engine.start(EngineConfig(model=str(stories260k), **kw))
+        engines.append(engine)
+        return engine
+
+    yield _start
+    for engine in engines:
+        await engine.shutdown()
+
+
+async def collect(stream):
+    """Drain one request's output stream: (token ids, text, the last delta)."""
+    tokens, text, last = [], "", None
+    async for out in stream:
+        tokens += out.token_ids
+        text += out.text
+        last = out
+    return tokens, text, last
+
+
+def metric(engine, name, **labels) -> float:
+    """A sample of the engine's Prometheus registry (0 when absent)."""
+    return engine.metrics.registry.get_sample_value(name, {"model_name": engine.model_config.name, **labels}) or 0.0
+
+
+def assert_all_blocks_free(engine) -> None:
+    """No live request; every device and host block free; the pool's invariants hold."""
+    snap = engine.kv_cache_snapshot()
+    assert snap["num_free_blocks"] == snap["num_gpu_blocks"] and snap["block_ref_counts"] == {}
+    assert snap["num_free_cpu_blocks"] == snap["num_cpu_blocks"] and snap["num_requests_swapped"] == 0
+    assert snap["usage"] == 0.0 and snap["requests"] == [] and snap["swapped_requests"] == []
+    engine.kv.pool.check_invariants([])
+
+
+def run_step(s, token=7, check=None):
+    """Schedule one step and play the worker: every request that reaches its end samples ``token``.
+
+    check(step) runs between scheduling and applying the step.
+    """
+    from scheduler.request import RequestStatus
+
+    step = s.schedule()
+    if check is not None:
+        check(step)
+    s.advance(step)
+    for rid in step.num_scheduled_tokens:
+        req = s.requests[rid]
+        if req.num_computed_tokens == req.num_tokens:
+            req.token_ids.append(token)
+            if req.num_output_tokens >= req.sampling.max_tokens:
+                s.finish(req, RequestStatus.FINISHED_LENGTH)
+    return step

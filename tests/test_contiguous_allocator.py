@@ -9,7 +9,7 @@ from common.sampling_params import SamplingParams
 from scheduler.contiguous_allocator import ContiguousAllocator, ExtentPool
 from scheduler.engine import Engine
 from scheduler.request import Request
-from conftest import GOLDEN_COMPLETION, GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS
+from conftest import GOLDEN_COMPLETION, GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS, collect
 
 
 def req(rid, prompt_len, max_tokens):
@@ -81,22 +81,13 @@ def test_no_sharing_no_prefix_cache():
     assert snap["allocator"] == "contiguous" and snap["block_ref_counts"] == {}
 
 
-async def collect(stream):
-    tokens = []
-    text = ""
-    async for out in stream:
-        tokens += out.token_ids
-        text += out.text
-    return tokens, text
-
-
 async def test_engine_under_the_contiguous_allocator_reproduces_the_golden(stories260k):
     # 12 blocks of 16 hold one 65-token reservation (5 blocks) twice: requests queue for space
     engine = await Engine.start(EngineConfig(model=str(stories260k), kv_allocator="contiguous", num_gpu_blocks=12))
     try:
         greedy = SamplingParams(temperature=0, max_tokens=60)
         results = await asyncio.gather(*[collect(engine.add_request(GOLDEN_PROMPT_IDS, greedy)) for _ in range(5)])
-        assert all(tokens == GOLDEN_OUTPUT_IDS and text == GOLDEN_COMPLETION for tokens, text in results)
+        assert all(tokens == GOLDEN_OUTPUT_IDS and text == GOLDEN_COMPLETION for tokens, text, _ in results)
         assert engine.scheduler.num_preemptions == 0  # a reservation is never outgrown
         assert engine.kv.num_free_blocks == 12
         engine.kv.pool.check_invariants([])

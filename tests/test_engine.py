@@ -8,44 +8,9 @@ import sys
 
 import pytest
 
-from common.config import EngineConfig
 from common.sampling_params import SamplingParams
-from scheduler.engine import Engine
-from conftest import GOLDEN_COMPLETION, GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS
-
-
-async def collect(stream):
-    tokens, text, last = [], "", None
-    async for out in stream:
-        tokens += out.token_ids
-        text += out.text
-        last = out
-    return tokens, text, last
-
-
-def metric(engine, name, **labels):
-    return engine.metrics.registry.get_sample_value(name, {"model_name": engine.model_config.name, **labels}) or 0.0
-
-
-def assert_all_blocks_free(engine):
-    snap = engine.kv_cache_snapshot()
-    assert snap["num_free_blocks"] == snap["num_gpu_blocks"]
-    assert snap["usage"] == 0.0 and snap["requests"] == [] and snap["block_ref_counts"] == {}
-    engine.kv.pool.check_invariants([])
-
-
-@pytest.fixture
-async def start(stories260k):
-    engines = []
-
-    async def _start(**kw):
-        engine = await Engine.start(EngineConfig(model=str(stories260k), **kw))
-        engines.append(engine)
-        return engine
-
-    yield _start
-    for engine in engines:
-        await engine.shutdown()
+from conftest import (GOLDEN_COMPLETION, GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS, assert_all_blocks_free,
+                      collect, metric)
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=60)

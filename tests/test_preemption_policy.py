@@ -10,12 +10,12 @@ import pytest
 from common.config import EngineConfig
 from common.protocol import CachedRequestData, NewRequestData, StepPlan
 from common.sampling_params import SamplingParams
-from conftest import GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS
+from conftest import GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS, collect, metric, run_step
 from scheduler.block_pool import BlockPool
 from scheduler.engine import Engine
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.preemption import DEFAULT_PREFILL_THROUGHPUT, PreemptionPolicy, PrefillThroughput, enqueue
-from scheduler.request import Request, RequestStatus
+from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 from scheduler.swap import SwapSpace
 
@@ -125,17 +125,6 @@ def test_prefill_throughput_counts_only_prefill_steps_without_swaps():
 
 # ---- the scheduler under the priority policy --------------------------------------------------
 
-def run_step(s: Scheduler, token=7):
-    step = s.schedule()
-    s.advance(step)
-    for rid in step.num_scheduled_tokens:
-        r = s.requests[rid]
-        if r.num_computed_tokens == r.num_tokens:
-            r.token_ids.append(token)
-            if r.num_output_tokens >= r.sampling.max_tokens:
-                s.finish(r, RequestStatus.FINISHED_LENGTH)
-    return step
-
 
 def test_priority_scheduling_admits_by_priority_and_preempts_the_lowest_even_if_admitted_first():
     kv = KVCacheManager(4, 4, enable_prefix_caching=False)
@@ -161,17 +150,6 @@ def test_priority_scheduling_admits_by_priority_and_preempts_the_lowest_even_if_
 
 # ---- the engine: auto picks each mode when it is the cheaper one ------------------------------
 
-async def collect(stream):
-    tokens = []
-    async for out in stream:
-        tokens += out.token_ids
-    return tokens
-
-
-def metric(engine, name, **labels):
-    return engine.metrics.registry.get_sample_value(name, {"model_name": engine.model_config.name, **labels}) or 0.0
-
-
 async def test_auto_swaps_when_the_link_is_fast_and_recomputes_when_it_is_slow(stories260k):
     engine = await Engine.start(EngineConfig(model=str(stories260k), num_gpu_blocks=12, enable_prefix_caching=False,
                                              swap_space=0.01, preemption_mode="auto"))
@@ -181,13 +159,13 @@ async def test_auto_swaps_when_the_link_is_fast_and_recomputes_when_it_is_slow(s
         greedy = SamplingParams(temperature=0, max_tokens=60)
         policy.swap_bandwidth = 1e18  # swapping costs ~0 s: cheaper than any recompute
         out = await asyncio.gather(*[collect(engine.add_request(GOLDEN_PROMPT_IDS, greedy)) for _ in range(16)])
-        assert out == [GOLDEN_OUTPUT_IDS] * 16
+        assert [tokens for tokens, _, _ in out] == [GOLDEN_OUTPUT_IDS] * 16
         swaps = metric(engine, "pagedkv:num_preemptions_total", mode="swap")
         assert swaps > 0 and metric(engine, "pagedkv:num_preemptions_total", mode="recompute") == 0
 
         policy.swap_bandwidth = 1.0  # 1 byte/s: a block takes hours to move, recompute wins
         out = await asyncio.gather(*[collect(engine.add_request(GOLDEN_PROMPT_IDS, greedy)) for _ in range(16)])
-        assert out == [GOLDEN_OUTPUT_IDS] * 16
+        assert [tokens for tokens, _, _ in out] == [GOLDEN_OUTPUT_IDS] * 16
         assert metric(engine, "pagedkv:num_preemptions_total", mode="swap") == swaps
         recomputes = metric(engine, "pagedkv:num_preemptions_total", mode="recompute")
         assert recomputes > 0 and swaps + recomputes == engine.scheduler.num_preemptions
@@ -206,7 +184,7 @@ async def test_priority_policy_in_the_engine_never_preempts_the_urgent_request(s
         streams.append(engine.add_request(GOLDEN_PROMPT_IDS, greedy, "urgent", priority=0))  # arrives last
         urgent = engine._streams["urgent"].members[0]
         out = await asyncio.gather(*[collect(s) for s in streams])
-        assert out == [GOLDEN_OUTPUT_IDS] * 16
+        assert [tokens for tokens, _, _ in out] == [GOLDEN_OUTPUT_IDS] * 16
         assert engine.scheduler.num_preemptions > 0 and urgent.num_preemptions == 0
     finally:
         await engine.shutdown()

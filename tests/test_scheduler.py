@@ -4,24 +4,12 @@ from common.sampling_params import SamplingParams
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import Scheduler
+from conftest import run_step
 
 
 def make(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, prefix=False):
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix)
     return Scheduler(kv, max_num_seqs, max_num_batched_tokens)
-
-
-def run_step(s: Scheduler, token=7):
-    """Schedule one step and play the worker: every request that reaches its end samples `token`."""
-    step = s.schedule()
-    s.advance(step)
-    for rid in step.num_scheduled_tokens:
-        req = s.requests[rid]
-        if req.num_computed_tokens == req.num_tokens:
-            req.token_ids.append(token)
-            if req.num_output_tokens >= req.sampling.max_tokens:
-                s.finish(req, RequestStatus.FINISHED_LENGTH)
-    return step
 
 
 def test_prefill_then_decode_one_token_per_step():

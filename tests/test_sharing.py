@@ -4,28 +4,11 @@ import asyncio
 
 import pytest
 
-from common.config import EngineConfig
 from common.sampling_params import SamplingParams
-from conftest import GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS
-from scheduler.engine import Engine
+from conftest import GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS, assert_all_blocks_free
 
 # A prompt of 34 tokens: two full 16-token blocks and a partly filled third.
 LONG_PROMPT = "Once upon a time there was a little girl named Lily. She loved to play outside in the sun with her dog."
-
-
-@pytest.fixture
-async def start(stories260k):
-    engines = []
-
-    async def _start(**kw):
-        kw.setdefault("swap_space", 0.01)
-        engine = await Engine.start(EngineConfig(model=str(stories260k), **kw))
-        engines.append(engine)
-        return engine
-
-    yield _start
-    for engine in engines:
-        await engine.shutdown()
 
 
 async def choices(engine, prompt_ids, params, on_output=None):
@@ -49,12 +32,6 @@ def record_plans(engine):
 
     engine.client.step = recording
     return plans
-
-
-def assert_all_blocks_free(engine):
-    snap = engine.kv_cache_snapshot()
-    assert snap["num_free_blocks"] == snap["num_gpu_blocks"] and snap["block_ref_counts"] == {}
-    engine.kv.pool.check_invariants([])
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)

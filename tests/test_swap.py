@@ -13,9 +13,9 @@ import pytest
 
 from common.config import EngineConfig
 from common.sampling_params import SamplingParams
-from conftest import GOLDEN_COMPLETION, GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS
+from conftest import (GOLDEN_COMPLETION, GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS, assert_all_blocks_free,
+                      collect, metric, run_step)
 from scheduler.block_pool import BlockPool
-from scheduler.engine import Engine
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.preemption import PreemptionPolicy
 from scheduler.request import Request, RequestStatus
@@ -100,23 +100,6 @@ def make(num_blocks=4, num_cpu_blocks=8, block_size=4, mode="swap", max_num_batc
     policy = PreemptionPolicy(mode, "fcfs", SwapSpace(num_cpu_blocks, kv.pool), kv_bytes_per_block=1024)
     return Scheduler(kv, 8, max_num_batched_tokens, policy)
 
-
-def run_step(s: Scheduler, token=7, check=None):
-    """Schedule one step and play the worker: every request that reaches its end samples `token`.
-
-    check(step) runs between scheduling and applying the step.
-    """
-    step = s.schedule()
-    if check is not None:
-        check(step)
-    s.advance(step)
-    for rid in step.num_scheduled_tokens:
-        req = s.requests[rid]
-        if req.num_computed_tokens == req.num_tokens:
-            req.token_ids.append(token)
-            if req.num_output_tokens >= req.sampling.max_tokens:
-                s.finish(req, RequestStatus.FINISHED_LENGTH)
-    return step
 
 
 def test_the_victim_is_swapped_out_whole_and_resumes_where_it_stopped():
@@ -242,52 +225,14 @@ def test_a_sibling_group_swaps_out_and_in_together_keeping_its_shared_blocks():
 
 # ---- the engine end to end on stories260K ----------------------------------------------------
 
-async def collect(stream):
-    tokens, text = [], ""
-    async for out in stream:
-        tokens += out.token_ids
-        text += out.text
-    return tokens, text
-
-
-def metric(engine, name, **labels):
-    return engine.metrics.registry.get_sample_value(name, {"model_name": engine.model_config.name, **labels}) or 0.0
-
-
-def assert_every_device_and_host_block_free(engine):
-    snap = engine.kv_cache_snapshot()
-    assert snap["num_free_blocks"] == snap["num_gpu_blocks"]
-    assert snap["num_free_cpu_blocks"] == snap["num_cpu_blocks"]
-    assert snap["num_requests_swapped"] == 0 and snap["swapped_requests"] == [] and snap["requests"] == []
-    engine.kv.pool.check_invariants([])
-    engine.scheduler.policy.swap.check_invariants()
-    assert metric(engine, "pagedkv:num_requests_swapped") == 0
-    assert metric(engine, "pagedkv:cpu_kv_cache_usage_perc") == 0.0
-
-
-@pytest.fixture
-async def start(stories260k):
-    engines = []
-
-    async def _start(**kw):
-        kw.setdefault("swap_space", 0.01)
-        engine = await Engine.start(EngineConfig(model=str(stories260k), enable_prefix_caching=False, **kw))
-        engines.append(engine)
-        return engine
-
-    yield _start
-    for engine in engines:
-        await engine.shutdown()
-
-
 GREEDY = SamplingParams(temperature=0, max_tokens=60)
 
 
 async def test_sixteen_requests_swapped_on_a_tiny_pool_are_all_golden_and_every_block_comes_back(start):
-    engine = await start(num_gpu_blocks=12, preemption_mode="swap")
+    engine = await start(enable_prefix_caching=False, num_gpu_blocks=12, preemption_mode="swap")
     assert engine.kv_cache_snapshot()["num_cpu_blocks"] == int(0.01 * 2**30) // STORIES_BLOCK_BYTES == 524
     results = await asyncio.gather(*[collect(engine.add_request(GOLDEN_PROMPT_IDS, GREEDY)) for _ in range(16)])
-    assert all(tokens == GOLDEN_OUTPUT_IDS and text == GOLDEN_COMPLETION for tokens, text in results)
+    assert all(tokens == GOLDEN_OUTPUT_IDS and text == GOLDEN_COMPLETION for tokens, text, _ in results)
     swap = engine.scheduler.policy.swap
     swaps = metric(engine, "pagedkv:num_preemptions_total", mode="swap")
     assert swaps == engine.scheduler.num_preemptions > 0
@@ -296,38 +241,39 @@ async def test_sixteen_requests_swapped_on_a_tiny_pool_are_all_golden_and_every_
     assert metric(engine, "pagedkv:num_blocks_swapped_in_total") == swap.num_blocks_swapped_in == swap.num_blocks_swapped_out
     assert metric(engine, "pagedkv:request_num_preemptions_count") == 16
     assert metric(engine, "pagedkv:request_num_preemptions_sum") == swaps
-    assert_every_device_and_host_block_free(engine)
+    assert_all_blocks_free(engine)
 
 
 async def test_seeded_sampling_swapped_out_and_in_equals_its_unpreempted_run(start):
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=40)
-    alone_engine = await start()
-    alone, _ = await collect(alone_engine.add_request(GOLDEN_PROMPT_IDS, params))
+    alone_engine = await start(enable_prefix_caching=False)
+    alone, _, _ = await collect(alone_engine.add_request(GOLDEN_PROMPT_IDS, params))
 
-    tight = await start(num_gpu_blocks=10, preemption_mode="swap")
+    tight = await start(enable_prefix_caching=False, num_gpu_blocks=10, preemption_mode="swap")
     noise = [tight.add_request(GOLDEN_PROMPT_IDS, SamplingParams(temperature=1.0, max_tokens=40, seed=s))
              for s in range(7)]
     seeded = tight.add_request(GOLDEN_PROMPT_IDS, params)  # the latest arrival: the first victim
     results = await asyncio.gather(collect(seeded), *[collect(n) for n in noise])
     assert metric(tight, "pagedkv:num_preemptions_total", mode="swap") == tight.scheduler.num_preemptions > 0
     assert results[0][0] == alone
-    assert_every_device_and_host_block_free(tight)
+    assert_all_blocks_free(tight)
 
 
 async def test_with_a_host_pool_too_small_victims_are_recomputed_and_all_finish(start):
     # 2 host blocks: a victim holding 3+ blocks (33+ tokens) cannot be swapped and is recomputed
-    engine = await start(num_gpu_blocks=12, preemption_mode="swap", swap_space=2 * STORIES_BLOCK_BYTES / 2**30)
+    engine = await start(enable_prefix_caching=False, num_gpu_blocks=12, preemption_mode="swap",
+                         swap_space=2 * STORIES_BLOCK_BYTES / 2**30)
     assert engine.kv_cache_snapshot()["num_cpu_blocks"] == 2
     results = await asyncio.gather(*[collect(engine.add_request(GOLDEN_PROMPT_IDS, GREEDY)) for _ in range(16)])
-    assert all(tokens == GOLDEN_OUTPUT_IDS for tokens, _ in results)
+    assert all(tokens == GOLDEN_OUTPUT_IDS for tokens, _, _ in results)
     recomputed = metric(engine, "pagedkv:num_preemptions_total", mode="recompute")
     swapped = metric(engine, "pagedkv:num_preemptions_total", mode="swap")
     assert recomputed > 0 and recomputed + swapped == engine.scheduler.num_preemptions
-    assert_every_device_and_host_block_free(engine)
+    assert_all_blocks_free(engine)
 
 
 async def test_parallel_sampling_groups_swap_as_one_and_stay_golden(start):
-    engine = await start(num_gpu_blocks=12, preemption_mode="swap")
+    engine = await start(enable_prefix_caching=False, num_gpu_blocks=12, preemption_mode="swap")
     params = SamplingParams(temperature=0, max_tokens=60, n=2)
 
     async def choices(stream):
@@ -339,11 +285,11 @@ async def test_parallel_sampling_groups_swap_as_one_and_stay_golden(start):
     results = await asyncio.gather(*[choices(engine.add_request(GOLDEN_PROMPT_IDS, params)) for _ in range(8)])
     assert all(r == {0: GOLDEN_OUTPUT_IDS, 1: GOLDEN_OUTPUT_IDS} for r in results)
     assert metric(engine, "pagedkv:num_preemptions_total", mode="swap") == engine.scheduler.num_preemptions > 0
-    assert_every_device_and_host_block_free(engine)
+    assert_all_blocks_free(engine)
 
 
 async def test_kv_cache_snapshot_lists_swapped_requests_and_host_blocks(start):
-    engine = await start(num_gpu_blocks=12, preemption_mode="swap")
+    engine = await start(enable_prefix_caching=False, num_gpu_blocks=12, preemption_mode="swap")
     seen = []
     streams = [collect(engine.add_request(GOLDEN_PROMPT_IDS, GREEDY)) for _ in range(16)]
 

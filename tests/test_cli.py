@@ -210,3 +210,11 @@ def test_prefix_caching_flags_reach_the_engine_config():
                                             "--prefix-caching-hash-algo", "xxhash"]), parser)
     assert (on.enable_prefix_caching, on.prefix_caching_hash_algo) == (True, "sha256")
     assert (off.enable_prefix_caching, off.prefix_caching_hash_algo) == (False, "xxhash")
+
+
+def test_a_mistyped_flag_is_reported_with_the_subcommand_usage(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--modle", "x"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert "usage: pagedkv serve" in err and "pagedkv serve: error: unrecognized arguments: --modle x" in err

@@ -8,7 +8,8 @@ freeing only some of them would free nothing the others do not still hold.
 Mode, per victim: ``recompute`` frees its blocks and later prefills prompt + generated tokens again;
 ``swap`` copies its blocks to the host pool and back. ``auto`` takes the cheaper by this cost model:
 swap = 2 x bytes of the victim's distinct blocks / host<->device bandwidth (out now, back in later;
-bandwidth measured by the worker at start), recompute = tokens whose KV is discarded /
+bandwidth measured by the worker at start, copying blocks of the configured size one by one as a
+swap does), recompute = tokens whose KV is discarded /
 prefill throughput (tokens per second of recent steps that prefilled, from the worker's
 ``forward_seconds``). Both are seconds of worker time; neither counts the waiting in between, which
 is the same either way. Each side is linear, so the choice mostly follows the ratio bytes per token /

@@ -8,6 +8,7 @@ only moves bytes when told.
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -69,21 +70,28 @@ class CacheEngine:
             kernels.swap_blocks(s, d, mapping)
 
 
-def measure_swap_bandwidth(device: torch.device, num_bytes: int = 32 << 20, repeats: int = 3) -> float:
-    """Host<->device copy bandwidth in bytes/s: the best of ``repeats`` timed round trips of ``num_bytes``.
+def measure_swap_bandwidth(device: torch.device, block_shape: tuple[int, ...], dtype: torch.dtype,
+                           num_bytes: int = 32 << 20, repeats: int = 3) -> float:
+    """Effective host<->device swap bandwidth in bytes/s for blocks of ``block_shape`` and ``dtype``.
 
-    On CUDA the host buffer is pinned, as the swap pool is; on CPU both buffers are host memory.
+    Times the real swap path (`kernels.swap_blocks`, one copy per block, as a swap does) out to the
+    host and back for up to ``num_bytes`` (at most 1,024 blocks), best of ``repeats``. Small blocks pay a per-copy
+    overhead that a single large copy would hide (PagedAttention §7.3), so the figure depends on the
+    block size. On CUDA the host buffer is pinned, as the swap pool is; on CPU both are host memory.
     """
-    dev = torch.empty(num_bytes, dtype=torch.uint8, device=device)
-    host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    block_bytes = math.prod(block_shape) * torch.empty((), dtype=dtype).element_size()
+    n = min(max(1, num_bytes // block_bytes), 1024)  # enough blocks to see the per-copy cost, quickly
+    dev = torch.zeros((n, *block_shape), dtype=dtype, device=device)
+    host = torch.empty((n, *block_shape), dtype=dtype, pin_memory=device.type == "cuda")
+    mapping = torch.stack([torch.arange(n), torch.arange(n)], dim=1)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    host.copy_(dev)  # warm-up (page faults, lazy CUDA init)
+    kernels.swap_blocks(dev, host, mapping)  # warm-up (page faults, lazy CUDA init)
     sync()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        host.copy_(dev, non_blocking=True)
-        dev.copy_(host, non_blocking=True)
+        kernels.swap_blocks(dev, host, mapping)
+        kernels.swap_blocks(host, dev, mapping)
         sync()
         best = min(best, time.perf_counter() - start)
-    return 2 * num_bytes / best
+    return 2 * n * block_bytes / best

@@ -81,7 +81,8 @@ def load(msg: LoadModel) -> tuple[ModelRunner, WorkerHello]:
     runner = ModelRunner(cfg, device, dtype, model_config)
     hello = WorkerHello(rank=msg.rank, device=str(device), dtype=str(dtype).removeprefix("torch."),
                         kv_bytes_per_block=runner.kv_bytes_per_block, max_num_gpu_blocks=max_num_gpu_blocks(runner),
-                        swap_bandwidth=measure_swap_bandwidth(device))
+                        swap_bandwidth=measure_swap_bandwidth(
+                            device, (cfg.block_size, model_config.num_key_value_heads, model_config.head_dim), dtype))
     return runner, hello
 
 

@@ -401,6 +401,18 @@ def _prompt_token_lists(req: CompletionRequest, tokenizer) -> tuple[list[list[in
     return ids, texts
 
 
+def _chunk_builder(request_id: str, obj: str, created: int, model: str, include_usage: bool):
+    """Builds SSE chunk bodies; with ``stream_options.include_usage`` each carries ``usage`` (null until the last)."""
+
+    def chunk(choices: list, usage: dict | None = None) -> dict:
+        body = {"id": request_id, "object": obj, "created": created, "model": model, "choices": choices}
+        if include_usage:
+            body["usage"] = usage
+        return body
+
+    return chunk
+
+
 class _API:
     """Route handlers bound to one engine."""
 
@@ -455,13 +467,7 @@ class _API:
                           "choices": choices, "usage": gen.usage()})
 
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-
-        def chunk(choices: list) -> dict:
-            body = {"id": request_id, "object": "text_completion", "created": created, "model": model,
-                    "choices": choices}
-            if include_usage:
-                body["usage"] = None
-            return body
+        chunk = _chunk_builder(request_id, "text_completion", created, model, include_usage)
 
         async def events() -> AsyncIterator[bytes]:
             if req.echo:
@@ -477,8 +483,7 @@ class _API:
                                        "logprobs": logprobs_of(idx, out.logprobs or []),
                                        "finish_reason": out.finish_reason}]))
             if include_usage:
-                yield _sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
-                            "choices": [], "usage": gen.usage()})
+                yield _sse(chunk([], gen.usage()))
 
         return await _stream(request, gen, events())
 
@@ -542,13 +547,7 @@ class _API:
                           "choices": choices, "usage": gen.usage()})
 
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-
-        def chunk(choices: list) -> dict:
-            body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": choices}
-            if include_usage:
-                body["usage"] = None
-            return body
+        chunk = _chunk_builder(request_id, "chat.completion.chunk", created, model, include_usage)
 
         async def events() -> AsyncIterator[bytes]:
             for i in range(len(gen.choices)):  # OpenAI's first delta of each choice carries the role
@@ -563,8 +562,7 @@ class _API:
                                        "logprobs": _chat_logprobs(out.logprobs or []) if req.logprobs else None,
                                        "finish_reason": out.finish_reason}]))
             if include_usage:
-                yield _sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
-                            "model": model, "choices": [], "usage": gen.usage()})
+                yield _sse(chunk([], gen.usage()))
 
         return await _stream(request, gen, events())
 

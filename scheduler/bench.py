@@ -585,6 +585,8 @@ def main(args: argparse.Namespace, config, max_model_len: int, vocab_size: int) 
 
     Returns 0, or 1 when any request failed.
     """
+    from scheduler.cli import _run  # the CLI runs us; uvloop as `pagedkv serve` does
+
     import msgspec
 
     path = resolve_trace(args.trace)
@@ -670,17 +672,6 @@ def machine_info() -> dict:
         pass
     return {"cpus": os.cpu_count(), "cpu": cpu, "platform": platform.platform(), "python": platform.python_version(),
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "load_average": os.getloadavg()}
-
-
-def _run(coro):
-    """Run a coroutine on uvloop when it is installed (as `pagedkv serve` does)."""
-    try:
-        import uvloop
-        factory = uvloop.new_event_loop
-    except ImportError:
-        factory = None
-    with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(coro)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -83,16 +83,13 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, Block] = {}  # block_hash -> the block holding that content
+        self.num_cached_free_blocks = 0  # free blocks still holding a cached prefix (a gauge, read every step)
         self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks with ref_cnt 0, including cached ones that can still be hit."""
         return self.free_queue.num_free_blocks
-
-    @property
-    def num_cached_free_blocks(self) -> int:
-        return sum(1 for b in self.cached.values() if b.ref_cnt == 0)
 
     @property
     def usage(self) -> float:
@@ -109,6 +106,7 @@ class BlockPool:
             if block.block_hash is not None:  # evict: its content is about to be overwritten
                 del self.cached[block.block_hash]
                 block.block_hash = None
+                self.num_cached_free_blocks -= 1
                 self.num_evictions += 1
             block.ref_cnt = 1
             out.append(block)
@@ -119,6 +117,7 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
+                self.num_cached_free_blocks -= block.block_hash is not None
             block.ref_cnt += 1
 
     def free(self, blocks: list[Block]) -> None:
@@ -132,6 +131,7 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
+                self.num_cached_free_blocks += block.block_hash is not None
 
     def lookup(self, block_hash: bytes) -> Block | None:
         return self.cached.get(block_hash)
@@ -142,11 +142,6 @@ class BlockPool:
             return  # already cached (or an identical block is): keep the first
         block.block_hash = block_hash
         self.cached[block_hash] = block
-
-    def reset_prefix_cache(self) -> None:
-        for block in self.cached.values():
-            block.block_hash = None
-        self.cached.clear()
 
     def check_invariants(self, block_tables: list[list[int]]) -> None:
         """Assert the pool's invariants against the live block tables (tests call this).
@@ -170,3 +165,5 @@ class BlockPool:
         assert len(free) + referenced == self.num_blocks, "free + referenced != total"
         for h, block in self.cached.items():
             assert block.block_hash == h, f"cached hash of block {block.block_id} does not map back"
+        assert self.num_cached_free_blocks == sum(1 for b in self.cached.values() if b.ref_cnt == 0), (
+            "cached free block count drifted")

@@ -133,8 +133,6 @@ class ContiguousAllocator:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.pool = ExtentPool(num_gpu_blocks)
-        self.prefix_queries = 0
-        self.prefix_hits = 0
         self.pending_copies: list[tuple[int, int]] = []  # always empty: nothing is shared
         self.replaced_blocks: dict[str, list[tuple[int, int]]] = {}
 
@@ -214,10 +212,6 @@ class ContiguousAllocator:
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """Always []: without sharing there is no copy-on-write."""
         return []
-
-    def record_prefix_query(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
-        self.prefix_queries += num_prompt_tokens
-        self.prefix_hits += num_hit_tokens
 
     def snapshot(self) -> dict:
         """JSON-ready view of the pool, in `KVCacheManager.snapshot`'s shape plus the free extents."""

@@ -60,8 +60,6 @@ class KVCacheManager:
         self._hash_fn = HASH_FUNCTIONS[hash_algo]
         self._hashes: dict[str, list[bytes]] = {}  # request id -> hashes of its full blocks
         self._num_named: dict[str, int] = {}  # request id -> leading blocks already offered to the cache
-        self.prefix_queries = 0  # tokens looked up (prompt tokens of admitted requests)
-        self.prefix_hits = 0  # of those, tokens found cached
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the next plan
         self.replaced_blocks: dict[str, list[tuple[int, int]]] = {}  # request id -> (index, new block)
 
@@ -181,10 +179,6 @@ class KVCacheManager:
             if block.block_hash is None:
                 self.pool.cache(block, hashes[i])
         self._num_named[request.request_id] = max(end, self._num_named.get(request.request_id, 0))
-
-    def record_prefix_query(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
-        self.prefix_queries += num_prompt_tokens
-        self.prefix_hits += num_hit_tokens
 
     def free(self, request: Request) -> None:
         """Give back every block of the request (tail first, for LRU-ish eviction order)."""

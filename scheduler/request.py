@@ -56,8 +56,6 @@ class Request:
         self.block_table: list[int] = []
         self.in_worker = False  # does the worker mirror this request right now?
         self.num_preemptions = 0
-        self.error: str | None = None
-        self.first_token_time: float | None = None
         # Sharing (n > 1, beam search): the sibling sequences of one user request share this list,
         # are preempted together, and fork from a leader. ``index`` is the choice index.
         self.group: list[Request] = group if group is not None else []

@@ -62,10 +62,6 @@ class Scheduler:
             self.requests[child.request_id] = child
         enqueue(self.waiting, request, self.policy)
 
-    @property
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped or self._finished_ids)
-
     def schedule(self) -> ScheduledStep:
         budget = self.max_num_batched_tokens
         chosen: dict[str, tuple[Request, int, int]] = {}  # id -> (request, tokens, blocks it takes)
@@ -143,9 +139,8 @@ class Scheduler:
                 if self.kv.allocate_slots(req, n, hits) is None:
                     break  # only a lone request can fail here: FCFS, nobody overtakes it
                 self.waiting.remove(req)
-                if req.num_preemptions == 0:
+                if req.num_preemptions == 0:  # counted once, in the prefix-cache metrics at its first token
                     req.num_cached_tokens = len(hits) * self.kv.block_size
-                    self.kv.record_prefix_query(req.num_prompt_tokens, req.num_cached_tokens)
                 else:
                     resumptions.append(Resumption(req.request_id, "recompute", len(hits), time.monotonic()))
                 req.status = RequestStatus.RUNNING

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from common.sampling_params import SamplingParams
-from conftest import GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS, assert_all_blocks_free
+from conftest import GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS, assert_all_blocks_free, metric
 
 # A prompt of 34 tokens: two full 16-token blocks and a partly filled third.
 LONG_PROMPT = "Once upon a time there was a little girl named Lily. She loved to play outside in the sun with her dog."
@@ -46,7 +46,7 @@ async def test_greedy_outputs_are_identical_with_prefix_caching_on_and_off(start
         with_cache, _ = await choices(on, ids, GREEDY)
         without, _ = await choices(off, ids, GREEDY)
         assert with_cache == without
-    assert on.kv.prefix_hits > 0 and off.kv.prefix_hits == 0
+    assert metric(on, "pagedkv:prefix_cache_hits_total") > 0 and metric(off, "pagedkv:prefix_cache_hits_total") == 0
     assert_all_blocks_free(on)
 
 

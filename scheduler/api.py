@@ -308,6 +308,16 @@ class _Generation:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens)}}
 
+    async def run_to_end(self) -> None:
+        """Collect every choice (non-streamed responses). Raises APIError 500 when generation failed."""
+        try:
+            async for _ in self.outputs():
+                pass
+        finally:
+            await self.close()
+        if (err := _generation_error(self.choices)) is not None:
+            raise APIError(500, err, type="server_error")
+
     async def close(self) -> None:
         """Stop every pump and close every iterator (the engine aborts unfinished requests)."""
         for t in self._pumps:
@@ -451,13 +461,7 @@ class _API:
             return out
 
         if not req.stream:
-            try:
-                async for _ in gen.outputs():
-                    pass
-            finally:
-                await gen.close()
-            if (err := _generation_error(gen.choices)) is not None:
-                raise APIError(500, err, type="server_error")
+            await gen.run_to_end()
             choices = [{"index": i,
                         "text": (prompt_texts[i // params.n] if req.echo else "") + "".join(c.text),
                         "logprobs": logprobs_of(i, c.logprobs), "finish_reason": c.finish_reason,
@@ -532,13 +536,7 @@ class _API:
         model = engine.model_config.name
 
         if not req.stream:
-            try:
-                async for _ in gen.outputs():
-                    pass
-            finally:
-                await gen.close()
-            if (err := _generation_error(gen.choices)) is not None:
-                raise APIError(500, err, type="server_error")
+            await gen.run_to_end()
             choices = [{"index": i, "message": {"role": "assistant", "content": "".join(c.text)},
                         "logprobs": _chat_logprobs(c.logprobs) if req.logprobs else None,
                         "finish_reason": c.finish_reason}

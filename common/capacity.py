@@ -21,7 +21,7 @@ import argparse
 import json
 from dataclasses import asdict, dataclass
 
-from common.config import _DTYPE_BYTES, ModelConfig
+from pagedkv.common.config import _DTYPE_BYTES, ModelConfig
 
 GIB = 2**30
 DEFAULT_ACTIVATION_RESERVE_GIB = 4.0

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import msgspec
 
-from common.config import EngineConfig
-from common.sampling_params import SamplingParams
+from pagedkv.common.config import EngineConfig
+from pagedkv.common.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 1
 

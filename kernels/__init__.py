@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from kernels import reference
+from pagedkv.kernels import reference
 
 BACKENDS = ("triton", "torch")
 
@@ -32,7 +32,7 @@ def backend_for(device: torch.device) -> str:
 
 def _impl(name: str, device: torch.device):
     if backend_for(device) == "triton":
-        from kernels import triton_kernels  # imported lazily: triton is optional on CPU
+        from pagedkv.kernels import triton_kernels  # imported lazily: triton is optional on CPU
 
         return getattr(triton_kernels, name)
     return getattr(reference, name)

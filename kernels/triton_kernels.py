@@ -5,8 +5,8 @@
 On CPU these run only under ``TRITON_INTERPRET=1``, which must be set before triton is imported.
 """
 
-from kernels.reference import swap_blocks
-from kernels.triton_attention import paged_attention
-from kernels.triton_cache import copy_blocks, write_kv_cache
+from pagedkv.kernels.reference import swap_blocks
+from pagedkv.kernels.triton_attention import paged_attention
+from pagedkv.kernels.triton_cache import copy_blocks, write_kv_cache
 
 __all__ = ["paged_attention", "write_kv_cache", "copy_blocks", "swap_blocks"]

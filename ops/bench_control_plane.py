@@ -23,11 +23,11 @@ import statistics
 import sys
 import time
 
-from common.protocol import SampledToken, StepResult, decode_from_worker, decode_to_worker, encode
-from common.sampling_params import SamplingParams
-from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.request import Request
-from scheduler.scheduler import Scheduler
+from pagedkv.common.protocol import SampledToken, StepResult, decode_from_worker, decode_to_worker, encode
+from pagedkv.common.sampling_params import SamplingParams
+from pagedkv.scheduler.kv_cache_manager import KVCacheManager
+from pagedkv.scheduler.request import Request
+from pagedkv.scheduler.scheduler import Scheduler
 
 PHASES = ("schedule", "plan_codec", "result_codec", "apply")
 

@@ -199,7 +199,7 @@ def main(argv=None) -> int:
         print("bench_kernels: no CUDA GPU is present; nothing to benchmark (this needs a GPU).")
         return 0
 
-    from kernels import triton_kernels
+    from pagedkv.kernels import triton_kernels
 
     device = torch.device("cuda")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]

@@ -17,14 +17,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from common.config import EngineConfig  # noqa: E402
-from common.sampling_params import SamplingParams  # noqa: E402
-from scheduler.engine import Engine  # noqa: E402
+from pagedkv.common.config import EngineConfig
+from pagedkv.common.sampling_params import SamplingParams
+from pagedkv.scheduler.engine import Engine
 
 # TinyStories-style openings, the kind of prompt stories260K was trained on.
 PROMPTS = [

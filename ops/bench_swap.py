@@ -29,17 +29,14 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from common.config import EngineConfig, ModelConfig  # noqa: E402
-from common.protocol import NewRequestData, StepPlan  # noqa: E402
-from common.sampling_params import SamplingParams  # noqa: E402
-from worker.cache_engine import measure_swap_bandwidth  # noqa: E402
-from worker.model_runner import ModelRunner  # noqa: E402
+from pagedkv.common.config import EngineConfig, ModelConfig
+from pagedkv.common.protocol import NewRequestData, StepPlan
+from pagedkv.common.sampling_params import SamplingParams
+from pagedkv.worker.cache_engine import measure_swap_bandwidth
+from pagedkv.worker.model_runner import ModelRunner
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 

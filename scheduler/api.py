@@ -31,8 +31,8 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from common.log import get_logger
-from common.sampling_params import SamplingParams
+from pagedkv.common.log import get_logger
+from pagedkv.common.sampling_params import SamplingParams
 
 log = get_logger("pagedkv.api")
 

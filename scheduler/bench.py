@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from scheduler.kv_accounting import (KVSample, running_stats, sample_engine, sample_snapshot, step_time_fit,
+from pagedkv.scheduler.kv_accounting import (KVSample, running_stats, sample_engine, sample_snapshot, step_time_fit,
                                      summarize_kv)
 
 TRACE_NAMES = {"conv": "AzureLLMInferenceTrace_conv.csv", "code": "AzureLLMInferenceTrace_code.csv"}
@@ -243,8 +243,8 @@ async def run_in_process(config, requests: list[BenchRequest], *, seed: int = 0,
     the run) unless ``account_kv_every_step`` is False (pure throughput runs). Returns
     `summarize_run`'s dict plus the engine's setup and the samples.
     """
-    from common.sampling_params import SamplingParams
-    from scheduler.engine import Engine
+    from pagedkv.common.sampling_params import SamplingParams
+    from pagedkv.scheduler.engine import Engine
 
     engine = await Engine.start(config)
     try:
@@ -585,7 +585,7 @@ def main(args: argparse.Namespace, config, max_model_len: int, vocab_size: int) 
 
     Returns 0, or 1 when any request failed.
     """
-    from scheduler.cli import _run  # the CLI runs us; uvloop as `pagedkv serve` does
+    from pagedkv.scheduler.cli import _run  # the CLI runs us; uvloop as `pagedkv serve` does
 
     import msgspec
 

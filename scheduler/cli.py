@@ -17,8 +17,8 @@ import os
 import signal
 import sys
 
-from common.config import EngineConfig, ModelConfig, resolve_max_model_len
-from common.log import configure_logging, get_logger
+from pagedkv.common.config import EngineConfig, ModelConfig, resolve_max_model_len
+from pagedkv.common.log import configure_logging, get_logger
 
 log = get_logger("pagedkv.cli")
 
@@ -161,8 +161,8 @@ def _run(coro) -> int:
 async def _serve(args: argparse.Namespace, config: EngineConfig) -> int:
     from aiohttp import web
 
-    from scheduler.api import build_app
-    from scheduler.engine import Engine
+    from pagedkv.scheduler.api import build_app
+    from pagedkv.scheduler.engine import Engine
 
     engine = await Engine.start(config, worker_address=args.worker_address, external_worker=args.external_worker)
     runner = web.AppRunner(build_app(engine), handler_cancellation=True, access_log=None)
@@ -201,8 +201,8 @@ def _cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 # ---- generate -------------------------------------------------------------------------------
 
 async def _generate(args: argparse.Namespace, config: EngineConfig, prompts: list[str]) -> int:
-    from common.sampling_params import SamplingParams
-    from scheduler.engine import Engine
+    from pagedkv.common.sampling_params import SamplingParams
+    from pagedkv.scheduler.engine import Engine
 
     engine = await Engine.start(config, worker_address=args.worker_address, external_worker=args.external_worker)
     try:
@@ -268,7 +268,7 @@ def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 # ---- bench ----------------------------------------------------------------------------------
 
 def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from scheduler import bench
+    from pagedkv.scheduler import bench
 
     bench.check_args(args, parser)
     config = _engine_config(args, parser)
@@ -284,7 +284,7 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 
 def _cmd_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     configure_logging(args.log_format, args.log_level)
-    from worker.worker import run  # torch is imported here, in the worker process only
+    from pagedkv.worker.worker import run  # torch is imported here, in the worker process only
 
     run(args.connect)
     return 0
@@ -292,7 +292,7 @@ def _cmd_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
 
 def _capacity_module():
     """common.capacity when another part of pagedkv provides it (it is optional), else None."""
-    return importlib.import_module("common.capacity") if importlib.util.find_spec("common.capacity") else None
+    return importlib.import_module("pagedkv.common.capacity") if importlib.util.find_spec("pagedkv.common.capacity") else None
 
 
 # ---- main -----------------------------------------------------------------------------------
@@ -343,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "TIMESTAMP, ContextTokens, GeneratedTokens) against an in-process engine or "
                                        "a running server (--url); write JSON, Markdown and PNG reports.")
     _add_engine_args(bench)
-    importlib.import_module("scheduler.bench").add_arguments(bench)
+    importlib.import_module("pagedkv.scheduler.bench").add_arguments(bench)
     bench.set_defaults(handler=_cmd_bench, log_level="warning")
 
     capacity = _capacity_module()

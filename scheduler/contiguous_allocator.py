@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import bisect
 
-from scheduler.request import Request
+from pagedkv.scheduler.request import Request
 
 
 class ExtentPool:

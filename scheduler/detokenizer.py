@@ -12,7 +12,7 @@ decode would. Text is released to the client only when it is final:
 
 from __future__ import annotations
 
-from scheduler.tokenizer import Tokenizer
+from pagedkv.scheduler.tokenizer import Tokenizer
 
 # Tokens of the prompt decoded with the first output token, so its spacing is read in context.
 _INITIAL_CONTEXT_TOKENS = 5

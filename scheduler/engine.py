@@ -16,22 +16,22 @@ from collections.abc import AsyncIterator
 
 import msgspec
 
-from common.config import EngineConfig, ModelConfig, resolve_max_model_len
-from common.log import get_logger
-from common.protocol import StepResult
-from common.sampling_params import SamplingParams
-from common.tracing import RequestTracer, make_tracer
-from scheduler.beam_search import BeamSearch
-from scheduler.detokenizer import IncrementalDetokenizer
-from scheduler.contiguous_allocator import ContiguousAllocator
-from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.metrics import Metrics
-from scheduler.preemption import PreemptionPolicy
-from scheduler.request import Request, RequestStatus
-from scheduler.scheduler import ScheduledStep, Scheduler
-from scheduler.swap import SwapSpace
-from scheduler.tokenizer import Tokenizer
-from scheduler.worker_client import WorkerClient, WorkerFailed
+from pagedkv.common.config import EngineConfig, ModelConfig, resolve_max_model_len
+from pagedkv.common.log import get_logger
+from pagedkv.common.protocol import StepResult
+from pagedkv.common.sampling_params import SamplingParams
+from pagedkv.common.tracing import RequestTracer, make_tracer
+from pagedkv.scheduler.beam_search import BeamSearch
+from pagedkv.scheduler.detokenizer import IncrementalDetokenizer
+from pagedkv.scheduler.contiguous_allocator import ContiguousAllocator
+from pagedkv.scheduler.kv_cache_manager import KVCacheManager
+from pagedkv.scheduler.metrics import Metrics
+from pagedkv.scheduler.preemption import PreemptionPolicy
+from pagedkv.scheduler.request import Request, RequestStatus
+from pagedkv.scheduler.scheduler import ScheduledStep, Scheduler
+from pagedkv.scheduler.swap import SwapSpace
+from pagedkv.scheduler.tokenizer import Tokenizer
+from pagedkv.scheduler.worker_client import WorkerClient, WorkerFailed
 
 log = get_logger("pagedkv.engine")
 

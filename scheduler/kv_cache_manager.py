@@ -19,8 +19,8 @@ import hashlib
 
 import msgspec
 
-from scheduler.block_pool import Block, BlockPool
-from scheduler.request import Request
+from pagedkv.scheduler.block_pool import Block, BlockPool
+from pagedkv.scheduler.request import Request
 
 _encode = msgspec.msgpack.Encoder().encode
 

@@ -26,9 +26,9 @@ from collections import deque
 
 import msgspec
 
-from common.protocol import StepPlan
-from scheduler.request import Request
-from scheduler.swap import SwapSpace
+from pagedkv.common.protocol import StepPlan
+from pagedkv.scheduler.request import Request
+from pagedkv.scheduler.swap import SwapSpace
 
 # Priors used until the first measurement: a PCIe 4.0 x16 link in practice, and a small model's
 # prefill on one accelerator. They only decide preemptions made before the first prefill step.

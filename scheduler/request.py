@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import time
 
-from common.sampling_params import SamplingParams
+from pagedkv.common.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -20,10 +20,10 @@ from collections import deque
 
 import msgspec
 
-from common.protocol import CachedRequestData, NewRequestData, StepPlan
-from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.preemption import Preemption, PreemptionPolicy, Resumption, enqueue
-from scheduler.request import Request, RequestStatus
+from pagedkv.common.protocol import CachedRequestData, NewRequestData, StepPlan
+from pagedkv.scheduler.kv_cache_manager import KVCacheManager
+from pagedkv.scheduler.preemption import Preemption, PreemptionPolicy, Resumption, enqueue
+from pagedkv.scheduler.request import Request, RequestStatus
 
 
 class ScheduledStep(msgspec.Struct):

@@ -11,8 +11,8 @@ is the number of tables holding it). The worker performs the copies the returned
 
 from __future__ import annotations
 
-from scheduler.block_pool import BlockPool
-from scheduler.request import Request
+from pagedkv.scheduler.block_pool import BlockPool
+from pagedkv.scheduler.request import Request
 
 
 class SwapSpace:

@@ -19,7 +19,7 @@ import jinja2
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from common.config import ModelConfig
+from pagedkv.common.config import ModelConfig
 
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 

@@ -1,7 +1,7 @@
 """The control plane's side of the ZeroMQ link to the worker process.
 
 The control plane binds a ROUTER socket (``ipc://`` in a temp dir by default, or ``tcp://``) and
-either spawns the worker itself (``python -m worker --connect ADDR``) or waits for one started on
+either spawns the worker itself (``python -m pagedkv.worker --connect ADDR``) or waits for one started on
 its own (``pagedkv worker --connect ADDR``). Every reply has a deadline: a worker that dies or stops
 answering raises `WorkerFailed` instead of being waited on forever.
 """
@@ -19,8 +19,8 @@ import uuid
 import zmq
 import zmq.asyncio
 
-from common import protocol
-from common.config import EngineConfig
+from pagedkv.common import protocol
+from pagedkv.common.config import EngineConfig
 
 _POLL_SECONDS = 0.5  # how often a waiting call checks that a spawned worker is still alive
 _START_SECONDS = 600.0  # loading a large checkpoint and profiling may take minutes; steps may not
@@ -62,7 +62,7 @@ class WorkerClient:
         """
         if self.spawn:
             env = dict(os.environ, PAGEDKV_PARENT_PID=str(os.getpid()))
-            self.process = subprocess.Popen([sys.executable, "-m", "worker", "--connect", self.address], env=env)
+            self.process = subprocess.Popen([sys.executable, "-m", "pagedkv.worker", "--connect", self.address], env=env)
         start_timeout = max(self.timeout, _START_SECONDS)
         msg = await self._recv(timeout=register_timeout if not self.spawn else start_timeout)
         if not isinstance(msg, protocol.Register):

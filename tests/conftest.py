@@ -47,8 +47,8 @@ async def start(stories260k):
 
     swap_space defaults to 0.01 GiB (524 host blocks), enough for any test and cheap to allocate.
     """
-    from common.config import EngineConfig
-    from scheduler.engine import Engine
+    from pagedkv.common.config import EngineConfig
+    from pagedkv.scheduler.engine import Engine
 
     engines = []
 
@@ -92,7 +92,7 @@ def run_step(s, token=7, check=None):
 
     check(step) runs between scheduling and applying the step.
     """
-    from scheduler.request import RequestStatus
+    from pagedkv.scheduler.request import RequestStatus
 
     step = s.schedule()
     if check is not None:

@@ -19,10 +19,10 @@ import pytest_asyncio
 from aiohttp.test_utils import TestServer
 from conftest import GOLDEN_COMPLETION, GOLDEN_PROMPT, GOLDEN_PROMPT_IDS
 
-from common.config import EngineConfig, ModelConfig
-from scheduler.api import build_app
-from scheduler.engine import Engine, RequestOutput
-from scheduler.tokenizer import Tokenizer
+from pagedkv.common.config import EngineConfig, ModelConfig
+from pagedkv.scheduler.api import build_app
+from pagedkv.scheduler.engine import Engine, RequestOutput
+from pagedkv.scheduler.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

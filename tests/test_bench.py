@@ -12,12 +12,12 @@ import math
 import pytest
 from aiohttp.test_utils import TestServer
 
-from common.config import EngineConfig
-from scheduler.api import build_app
-from scheduler.bench import TraceRow, build_requests, load_trace, percentile, run_against_url
-from scheduler.kv_accounting import account_kv, running_stats, summarize_kv
-from scheduler.cli import main
-from scheduler.engine import Engine
+from pagedkv.common.config import EngineConfig
+from pagedkv.scheduler.api import build_app
+from pagedkv.scheduler.bench import TraceRow, build_requests, load_trace, percentile, run_against_url
+from pagedkv.scheduler.kv_accounting import account_kv, running_stats, summarize_kv
+from pagedkv.scheduler.cli import main
+from pagedkv.scheduler.engine import Engine
 
 KV_FIELDS = {"pool", "allocated", "token_state", "reservation", "internal", "external", "free"}
 

@@ -4,10 +4,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from common.sampling_params import SamplingParams
-from scheduler.block_pool import BlockPool
-from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.request import Request
+from pagedkv.common.sampling_params import SamplingParams
+from pagedkv.scheduler.block_pool import BlockPool
+from pagedkv.scheduler.kv_cache_manager import KVCacheManager
+from pagedkv.scheduler.request import Request
 
 NUM_BLOCKS = 12
 BLOCK_SIZE = 4

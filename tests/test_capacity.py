@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from common.capacity import plan
-from common.config import ModelConfig
-from scheduler.cli import main
+from pagedkv.common.capacity import plan
+from pagedkv.common.config import ModelConfig
+from pagedkv.scheduler.cli import main
 
 LLAMA_8B = Path(__file__).resolve().parents[2] / "shared/model-configs/llama-3.1-8b"
 

@@ -16,16 +16,16 @@ from pathlib import Path
 import pytest
 from conftest import GOLDEN_COMPLETION, GOLDEN_PROMPT
 
-from scheduler.cli import build_parser, main
+from pagedkv.scheduler.cli import build_parser, main
 
 REPO = Path(__file__).resolve().parents[1]
-PAGEDKV = [sys.executable, "-m", "scheduler.cli"]
+PAGEDKV = [sys.executable, "-m", "pagedkv.scheduler.cli"]
 SMALL_POOL = ["--num-gpu-blocks", "64", "--swap-space", "0.01", "--device", "cpu"]
 
 
 def test_console_script_is_the_cli_main():
     [ep] = [e for e in importlib.metadata.entry_points(group="console_scripts") if e.name == "pagedkv"]
-    assert ep.value == "scheduler.cli:main"
+    assert ep.value == "pagedkv.scheduler.cli:main"
 
 
 # ---- flag validation (in-process: argparse exits with status 2 and names the flag) ------------
@@ -67,7 +67,7 @@ def test_generate_needs_a_prompt(capsys):
 
 
 def test_flags_map_onto_engine_config(stories260k):
-    from scheduler.cli import _engine_config
+    from pagedkv.scheduler.cli import _engine_config
     parser = build_parser()
     args = parser.parse_args(["serve", "--model", str(stories260k), "--block-size", "32", "--num-gpu-blocks", "100",
                               "--gpu-memory-utilization", "0.5", "--cpu-kv-cache-space", "2", "--swap-space", "1",
@@ -85,7 +85,7 @@ def test_flags_map_onto_engine_config(stories260k):
 
 def test_capacity_subcommand_exists_exactly_when_its_module_does():
     subcommands = build_parser()._subparsers._group_actions[0].choices
-    assert ("capacity" in subcommands) == (importlib.util.find_spec("common.capacity") is not None)
+    assert ("capacity" in subcommands) == (importlib.util.find_spec("pagedkv.common.capacity") is not None)
     assert {"serve", "generate", "worker"} <= set(subcommands)
 
 
@@ -202,7 +202,7 @@ def test_serve_embedded_default_with_an_external_worker_says_weights_are_random(
 
 
 def test_prefix_caching_flags_reach_the_engine_config():
-    from scheduler.cli import _engine_config, build_parser
+    from pagedkv.scheduler.cli import _engine_config, build_parser
 
     parser = build_parser()
     on = _engine_config(parser.parse_args(["serve"]), parser)

@@ -4,11 +4,11 @@ import asyncio
 
 import pytest
 
-from common.config import EngineConfig
-from common.sampling_params import SamplingParams
-from scheduler.contiguous_allocator import ContiguousAllocator, ExtentPool
-from scheduler.engine import Engine
-from scheduler.request import Request
+from pagedkv.common.config import EngineConfig
+from pagedkv.common.sampling_params import SamplingParams
+from pagedkv.scheduler.contiguous_allocator import ContiguousAllocator, ExtentPool
+from pagedkv.scheduler.engine import Engine
+from pagedkv.scheduler.request import Request
 from conftest import GOLDEN_COMPLETION, GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS, collect
 
 

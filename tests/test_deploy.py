@@ -19,8 +19,8 @@ import pytest
 
 yaml = pytest.importorskip("yaml")
 
-from scheduler.cli import _engine_config, build_parser  # noqa: E402
-from scheduler.metrics import Metrics  # noqa: E402
+from pagedkv.scheduler.cli import _engine_config, build_parser  # noqa: E402
+from pagedkv.scheduler.metrics import Metrics  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 OPS = ROOT / "ops"
@@ -197,10 +197,13 @@ def test_dockerfile_defaults_to_a_pinned_cpu_build_and_builds_the_packages_it_ne
     assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
     assert re.fullmatch(r"\d+\.\d+\.\d+", args["TORCH_VERSION"])
     assert "FROM ${BASE_IMAGE}" in text
-    # the image installs the same packages pyproject.toml ships
+    # the image copies every folder pyproject.toml ships as pagedkv.<folder>, and the root package
     shipped = re.search(r'packages = \[([^\]]*)\]', (ROOT / "pyproject.toml").read_text()).group(1)
-    for pkg in re.findall(r'"(\w+)"', shipped):
+    folders = re.findall(r'"pagedkv\.(\w+)"', shipped)
+    assert folders == ["common", "scheduler", "worker", "kernels"]
+    for pkg in folders:
         assert f"COPY {pkg} {pkg}" in text, pkg
+    assert "COPY __init__.py ./" in text
     for name in ("control-plane", "worker", "worker-gpu"):
         build = _compose()["services"][name]["build"]
         assert (build["context"], build["dockerfile"]) == (".", "ops/Dockerfile")

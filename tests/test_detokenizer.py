@@ -7,9 +7,9 @@ from conftest import GOLDEN_COMPLETION, GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.config import ModelConfig
-from scheduler.detokenizer import IncrementalDetokenizer
-from scheduler.tokenizer import Tokenizer
+from pagedkv.common.config import ModelConfig
+from pagedkv.scheduler.detokenizer import IncrementalDetokenizer
+from pagedkv.scheduler.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from common.sampling_params import SamplingParams
+from pagedkv.common.sampling_params import SamplingParams
 from conftest import (GOLDEN_COMPLETION, GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS, assert_all_blocks_free,
                       collect, metric)
 
@@ -134,9 +134,9 @@ async def test_a_stalled_worker_is_detected_by_the_deadline(start):
 def test_the_worker_is_its_own_process_and_the_control_plane_never_loads_torch(stories260k):
     code = f"""
 import asyncio, os, sys
-from common.config import EngineConfig
-from common.sampling_params import SamplingParams
-from scheduler.engine import Engine
+from pagedkv.common.config import EngineConfig
+from pagedkv.common.sampling_params import SamplingParams
+from pagedkv.scheduler.engine import Engine
 async def main():
     e = await Engine.start(EngineConfig(model={str(stories260k)!r}))
     out = [o async for o in e.add_request([1, 403], SamplingParams(temperature=0, max_tokens=3))]

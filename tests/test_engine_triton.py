@@ -9,10 +9,10 @@ import importlib.util
 
 import pytest
 
-from common.config import EngineConfig
-from common.sampling_params import SamplingParams
+from pagedkv.common.config import EngineConfig
+from pagedkv.common.sampling_params import SamplingParams
 from conftest import GOLDEN_COMPLETION, GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS
-from scheduler.engine import Engine
+from pagedkv.scheduler.engine import Engine
 
 # Only the worker process imports triton; importing it here (without TRITON_INTERPRET) would spoil
 # test_kernels.py, which needs triton's own jit functions built for the interpreter.

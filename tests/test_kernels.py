@@ -21,7 +21,7 @@ import sys
 import pytest
 import torch
 
-from kernels import reference
+from pagedkv.kernels import reference
 
 _SAVED_INTERPRET = os.environ.get("TRITON_INTERPRET")
 
@@ -40,7 +40,7 @@ if "triton" in sys.modules and not os.environ.get("TRITON_INTERPRET"):
                 "own process or export TRITON_INTERPRET=1", pytrace=False)
 os.environ["TRITON_INTERPRET"] = "1"
 try:
-    triton_kernels = pytest.importorskip("kernels.triton_kernels")
+    triton_kernels = pytest.importorskip("pagedkv.kernels.triton_kernels")
 finally:
     _restore_interpret_env()  # collection must not leak it into other modules' worker processes
 

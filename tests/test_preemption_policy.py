@@ -7,17 +7,17 @@ from collections import deque
 
 import pytest
 
-from common.config import EngineConfig
-from common.protocol import CachedRequestData, NewRequestData, StepPlan
-from common.sampling_params import SamplingParams
+from pagedkv.common.config import EngineConfig
+from pagedkv.common.protocol import CachedRequestData, NewRequestData, StepPlan
+from pagedkv.common.sampling_params import SamplingParams
 from conftest import GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS, collect, metric, run_step
-from scheduler.block_pool import BlockPool
-from scheduler.engine import Engine
-from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.preemption import DEFAULT_PREFILL_THROUGHPUT, PreemptionPolicy, PrefillThroughput, enqueue
-from scheduler.request import Request
-from scheduler.scheduler import Scheduler
-from scheduler.swap import SwapSpace
+from pagedkv.scheduler.block_pool import BlockPool
+from pagedkv.scheduler.engine import Engine
+from pagedkv.scheduler.kv_cache_manager import KVCacheManager
+from pagedkv.scheduler.preemption import DEFAULT_PREFILL_THROUGHPUT, PreemptionPolicy, PrefillThroughput, enqueue
+from pagedkv.scheduler.request import Request
+from pagedkv.scheduler.scheduler import Scheduler
+from pagedkv.scheduler.swap import SwapSpace
 
 SP = SamplingParams(max_tokens=8)
 
@@ -191,7 +191,7 @@ async def test_priority_policy_in_the_engine_never_preempts_the_urgent_request(s
 
 
 def test_cli_flags_reach_the_engine_config(stories260k):
-    from scheduler.cli import _engine_config, build_parser
+    from pagedkv.scheduler.cli import _engine_config, build_parser
 
     parser = build_parser()
     args = parser.parse_args(["serve", "--model", str(stories260k), "--preemption-mode", "swap",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.sampling_params import SamplingParams
-from worker.sampler import Sampler, apply_penalties, row_seed, truncated_probs
+from pagedkv.common.sampling_params import SamplingParams
+from pagedkv.worker.sampler import Sampler, apply_penalties, row_seed, truncated_probs
 
 CPU = torch.device("cpu")
 LOGITS = torch.tensor([[1.0, 3.0, -2.0, 2.5, 0.0, -1.0]])

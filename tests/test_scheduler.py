@@ -1,9 +1,9 @@
 """Scheduler policy: budgets, FCFS admission, chunked prefill, recompute preemption of the newest."""
 
-from common.sampling_params import SamplingParams
-from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.request import Request, RequestStatus
-from scheduler.scheduler import Scheduler
+from pagedkv.common.sampling_params import SamplingParams
+from pagedkv.scheduler.kv_cache_manager import KVCacheManager
+from pagedkv.scheduler.request import Request, RequestStatus
+from pagedkv.scheduler.scheduler import Scheduler
 from conftest import run_step
 
 

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from common.sampling_params import SamplingParams
+from pagedkv.common.sampling_params import SamplingParams
 from conftest import GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS, assert_all_blocks_free, metric
 
 # A prompt of 34 tokens: two full 16-token blocks and a partly filled third.

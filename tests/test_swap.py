@@ -11,16 +11,16 @@ import asyncio
 
 import pytest
 
-from common.config import EngineConfig
-from common.sampling_params import SamplingParams
+from pagedkv.common.config import EngineConfig
+from pagedkv.common.sampling_params import SamplingParams
 from conftest import (GOLDEN_COMPLETION, GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS, assert_all_blocks_free,
                       collect, metric, run_step)
-from scheduler.block_pool import BlockPool
-from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.preemption import PreemptionPolicy
-from scheduler.request import Request, RequestStatus
-from scheduler.scheduler import Scheduler
-from scheduler.swap import SwapSpace
+from pagedkv.scheduler.block_pool import BlockPool
+from pagedkv.scheduler.kv_cache_manager import KVCacheManager
+from pagedkv.scheduler.preemption import PreemptionPolicy
+from pagedkv.scheduler.request import Request, RequestStatus
+from pagedkv.scheduler.scheduler import Scheduler
+from pagedkv.scheduler.swap import SwapSpace
 
 STORIES_BLOCK_BYTES = 20480  # 2 x 5 layers x 16 tokens x 4 kv heads x 8 head_dim x 4 bytes (float32)
 
@@ -318,7 +318,7 @@ def test_the_swap_microbenchmark_times_every_block_size_on_the_real_model(storie
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ops"))
     from bench_swap import BLOCK_SIZES, measure
 
-    from common.config import ModelConfig
+    from pagedkv.common.config import ModelConfig
 
     rows = measure(ModelConfig.load(str(stories260k)), EngineConfig(model=str(stories260k)),
                    torch.device("cpu"), torch.float32, num_tokens=40, repeats=1)

@@ -10,8 +10,8 @@ import sys
 import pytest
 from conftest import GOLDEN_COMPLETION, GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT, GOLDEN_PROMPT_IDS
 
-from common.config import ModelConfig
-from scheduler.tokenizer import Tokenizer
+from pagedkv.common.config import ModelConfig
+from pagedkv.scheduler.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -13,12 +13,12 @@ import pytest
 from aiohttp.test_utils import TestServer
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from common.config import EngineConfig
-from common.sampling_params import SamplingParams
-from common.tracing import _traces_url, make_tracer
+from pagedkv.common.config import EngineConfig
+from pagedkv.common.sampling_params import SamplingParams
+from pagedkv.common.tracing import _traces_url, make_tracer
 from conftest import GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT, GOLDEN_PROMPT_IDS
-from scheduler.api import build_app
-from scheduler.engine import Engine
+from pagedkv.scheduler.api import build_app
+from pagedkv.scheduler.engine import Engine
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
@@ -134,9 +134,9 @@ async def test_the_api_passes_the_traceparent_header_to_the_request_span(stories
 def test_console_exporter_prints_request_and_preemption_spans(stories260k):
     code = f"""
 import asyncio
-from common.config import EngineConfig
-from common.sampling_params import SamplingParams
-from scheduler.engine import Engine
+from pagedkv.common.config import EngineConfig
+from pagedkv.common.sampling_params import SamplingParams
+from pagedkv.scheduler.engine import Engine
 async def main():
     e = await Engine.start(EngineConfig(model={str(stories260k)!r}, num_gpu_blocks=6, enable_prefix_caching=False,
                                         swap_space=0.001, preemption_mode="swap"))

@@ -12,13 +12,13 @@ import torch
 from conftest import GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS
 from safetensors.torch import load_file, save_file
 
-from common.config import EngineConfig, ModelConfig
-from common.protocol import CachedRequestData, NewRequestData, StepPlan
-from common.sampling_params import SamplingParams
-from worker.cache_engine import CacheEngine
-from worker.model import rope_inv_freq
-from worker.model_loader import load_model
-from worker.model_runner import ModelRunner
+from pagedkv.common.config import EngineConfig, ModelConfig
+from pagedkv.common.protocol import CachedRequestData, NewRequestData, StepPlan
+from pagedkv.common.sampling_params import SamplingParams
+from pagedkv.worker.cache_engine import CacheEngine
+from pagedkv.worker.model import rope_inv_freq
+from pagedkv.worker.model_loader import load_model
+from pagedkv.worker.model_runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=60)
 CPU = torch.device("cpu")

@@ -11,11 +11,11 @@ import pytest
 import zmq
 from conftest import GOLDEN_PROMPT_IDS
 
-from common.config import EngineConfig
-from common.protocol import (PROTOCOL_VERSION, CachedRequestData, InitCache, LoadModel, NewRequestData, Register,
+from pagedkv.common.config import EngineConfig
+from pagedkv.common.protocol import (PROTOCOL_VERSION, CachedRequestData, InitCache, LoadModel, NewRequestData, Register,
                              Shutdown, StepPlan, StepResult, WorkerError, WorkerHello, WorkerReady,
                              decode_from_worker, encode)
-from common.sampling_params import SamplingParams
+from pagedkv.common.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_MS = 60_000
@@ -30,7 +30,7 @@ class Stub:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.address = f"ipc://{tmp_path}/worker.sock"
         self.sock.bind(self.address)
-        self.proc = subprocess.Popen([sys.executable, "-m", "worker", "--connect", self.address], cwd=REPO,
+        self.proc = subprocess.Popen([sys.executable, "-m", "pagedkv.worker", "--connect", self.address], cwd=REPO,
                                      env=dict(os.environ, **(env or {})), stderr=subprocess.PIPE, text=True)
         self.identity = None
 
@@ -129,5 +129,5 @@ def test_worker_exits_when_its_parent_process_is_gone(tmp_path):
 
 
 def test_missing_connect_flag_is_named():
-    proc = subprocess.run([sys.executable, "-m", "worker"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "pagedkv.worker"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--connect" in proc.stderr

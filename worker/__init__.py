@@ -1,1 +1,1 @@
-"""The worker process: owns the KV pools and the math, decides nothing (entry point: `python -m worker`)."""
+"""The worker process: owns the KV pools and the math, decides nothing (entry point: `python -m pagedkv.worker`)."""

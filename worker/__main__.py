@@ -1,15 +1,15 @@
-"""``python -m worker --connect ADDR``: start one worker process (how the control plane spawns them)."""
+"""``python -m pagedkv.worker --connect ADDR``: start one worker process (how the control plane spawns them)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 
-from worker.worker import run
+from pagedkv.worker.worker import run
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m worker", description="pagedkv worker process")
+    parser = argparse.ArgumentParser(prog="python -m pagedkv.worker", description="pagedkv worker process")
     parser.add_argument("--connect", required=True, metavar="ADDR",
                         help="the control plane's ZeroMQ address, e.g. ipc:///tmp/pagedkv.sock or tcp://host:5555")
     args = parser.parse_args(argv)

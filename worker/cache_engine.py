@@ -13,8 +13,8 @@ import time
 
 import torch
 
-import kernels
-from common.config import ModelConfig
+from pagedkv import kernels
+from pagedkv.common.config import ModelConfig
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
-from common.config import ModelConfig
+from pagedkv import kernels
+from pagedkv.common.config import ModelConfig
 
 
 @dataclass

@@ -8,8 +8,8 @@ import os
 import torch
 from safetensors import safe_open
 
-from common.config import EngineConfig, ModelConfig
-from worker.model import LlamaForCausalLM
+from pagedkv.common.config import EngineConfig, ModelConfig
+from pagedkv.worker.model import LlamaForCausalLM
 
 DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
           "bfloat16": torch.bfloat16}

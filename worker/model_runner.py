@@ -11,13 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
-from common.config import EngineConfig, ModelConfig, resolve_max_model_len
-from common.protocol import SampledToken, StepPlan, StepResult
-from common.sampling_params import SamplingParams
-from worker.cache_engine import CacheEngine, kv_bytes_per_block
-from worker.model import AttentionMetadata
-from worker.model_loader import load_model
-from worker.sampler import Sampler
+from pagedkv.common.config import EngineConfig, ModelConfig, resolve_max_model_len
+from pagedkv.common.protocol import SampledToken, StepPlan, StepResult
+from pagedkv.common.sampling_params import SamplingParams
+from pagedkv.worker.cache_engine import CacheEngine, kv_bytes_per_block
+from pagedkv.worker.model import AttentionMetadata
+from pagedkv.worker.model_loader import load_model
+from pagedkv.worker.sampler import Sampler
 
 
 @dataclass

@@ -15,12 +15,12 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from common.config import EngineConfig, ModelConfig
-from common.protocol import (PROTOCOL_VERSION, InitCache, LoadModel, Register, Shutdown, StepPlan, StepResult,
+from pagedkv.common.config import EngineConfig, ModelConfig
+from pagedkv.common.protocol import (PROTOCOL_VERSION, InitCache, LoadModel, Register, Shutdown, StepPlan, StepResult,
                              WorkerError, WorkerHello, WorkerReady, decode_to_worker, encode)
-from worker.cache_engine import measure_swap_bandwidth
-from worker.model_loader import torch_dtype
-from worker.model_runner import ModelRunner
+from pagedkv.worker.cache_engine import measure_swap_bandwidth
+from pagedkv.worker.model_loader import torch_dtype
+from pagedkv.worker.model_runner import ModelRunner
 
 log = logging.getLogger("pagedkv.worker")
 POLL_MS = 1000  # how often to check that the control plane is still there

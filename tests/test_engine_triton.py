@@ -1,8 +1,8 @@
 """The engine with attention forced onto the Triton kernels (interpreted on CPU) is still golden.
 
-The worker process inherits the environment: PAGEDKV_ATTENTION_BACKEND=triton makes `kernels`
-dispatch paged_attention, write_kv_cache and copy_blocks to `kernels.triton_kernels`, and
-TRITON_INTERPRET=1 lets those run on CPU tensors.
+``attention_backend="triton"`` (--attention-backend) makes the worker pick `kernels.triton_kernels`
+once at model load for paged_attention, write_kv_cache and copy_blocks; the worker process inherits
+TRITON_INTERPRET=1, which lets those run on CPU tensors.
 """
 
 import importlib.util
@@ -39,7 +39,6 @@ async def test_triton_backend_engine_reproduces_the_stories260k_golden(stories26
 async def test_attention_backend_triton_really_runs_triton(stories260k, monkeypatch):
     """Triton cannot run on CPU tensors without the interpreter: the step must fail, not fall back to torch."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.delenv("PAGEDKV_ATTENTION_BACKEND", raising=False)
     engine = await Engine.start(EngineConfig(model=str(stories260k), device="cpu", attention_backend="triton",
                                              swap_space=0.01))
     try:

@@ -285,3 +285,17 @@ def test_bfloat16_weights_and_cache_still_pick_the_golden_first_token(stories260
     assert runner.cache.k_caches[0].dtype == torch.bfloat16
     plan = StepPlan(0, [NewRequestData("a", GOLDEN_PROMPT_IDS, 5, [2], 0, 5, GREEDY)])
     assert runner.execute(plan).sampled[0].token_id == 432
+
+
+def test_attention_backend_is_chosen_once_at_load_from_the_config():
+    from pagedkv import kernels
+    from pagedkv.kernels import reference
+
+    assert kernels.select_backend(None, CPU) is reference
+    assert kernels.select_backend("torch", torch.device("cuda")) is reference
+    with pytest.raises(ValueError, match="attention backend must be one of"):
+        kernels.select_backend("flash", CPU)
+    runner = ModelRunner(EngineConfig(attention_backend="torch"), CPU, torch.float32)
+    runner.init_cache(4, 0)
+    attn = runner.model.model.layers[0].self_attn
+    assert runner.model.kernels is reference and attn.kernels is reference and runner.cache.kernels is reference

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import math
 import time
+from types import ModuleType
 
 import torch
 
-from pagedkv import kernels
 from pagedkv.common.config import ModelConfig
+from pagedkv.kernels import reference
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -26,11 +27,14 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
 class CacheEngine:
     """Per-layer device and host KV tensors, with block swaps and copies.
 
+    kernels: the attention backend (`kernels.select_backend`) whose ``copy_blocks`` runs copy-on-write
+    copies; swaps are plain torch copies on every backend (`kernels.reference.swap_blocks`).
+
     Raises torch.OutOfMemoryError (or RuntimeError) when the pools do not fit.
     """
 
     def __init__(self, config: ModelConfig, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, kernels: ModuleType = reference):
         shape = (block_size, config.num_key_value_heads, config.head_dim)
         pin = device.type == "cuda"
 
@@ -42,6 +46,7 @@ class CacheEngine:
                     for _ in range(config.num_hidden_layers)]
 
         self.block_size = block_size
+        self.kernels = kernels
         self.num_gpu_blocks, self.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
         self.k_caches, self.v_caches = pool(num_gpu_blocks, device), pool(num_gpu_blocks, device)
         cpu = torch.device("cpu")
@@ -59,7 +64,7 @@ class CacheEngine:
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """Copy (src_block, dst_block) pairs within the device pool, all layers (copy-on-write)."""
         if pairs:
-            kernels.copy_blocks(self.k_caches, self.v_caches, torch.tensor(pairs, dtype=torch.int64))
+            self.kernels.copy_blocks(self.k_caches, self.v_caches, torch.tensor(pairs, dtype=torch.int64))
 
     @staticmethod
     def _swap(src: list[torch.Tensor], dst: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:
@@ -67,14 +72,14 @@ class CacheEngine:
             return
         mapping = torch.tensor(pairs, dtype=torch.int64)
         for s, d in zip(src, dst):
-            kernels.swap_blocks(s, d, mapping)
+            reference.swap_blocks(s, d, mapping)
 
 
 def measure_swap_bandwidth(device: torch.device, block_shape: tuple[int, ...], dtype: torch.dtype,
                            num_bytes: int = 32 << 20, repeats: int = 3) -> float:
     """Effective host<->device swap bandwidth in bytes/s for blocks of ``block_shape`` and ``dtype``.
 
-    Times the real swap path (`kernels.swap_blocks`, one copy per block, as a swap does) out to the
+    Times the real swap path (`kernels.reference.swap_blocks`, one copy per block, as a swap does) out to the
     host and back for up to ``num_bytes`` (at most 1,024 blocks), best of ``repeats``. Small blocks pay a per-copy
     overhead that a single large copy would hide (PagedAttention §7.3), so the figure depends on the
     block size. On CUDA the host buffer is pinned, as the swap pool is; on CPU both are host memory.
@@ -85,13 +90,13 @@ def measure_swap_bandwidth(device: torch.device, block_shape: tuple[int, ...], d
     host = torch.empty((n, *block_shape), dtype=dtype, pin_memory=device.type == "cuda")
     mapping = torch.stack([torch.arange(n), torch.arange(n)], dim=1)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    kernels.swap_blocks(dev, host, mapping)  # warm-up (page faults, lazy CUDA init)
+    reference.swap_blocks(dev, host, mapping)  # warm-up (page faults, lazy CUDA init)
     sync()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        kernels.swap_blocks(dev, host, mapping)
-        kernels.swap_blocks(host, dev, mapping)
+        reference.swap_blocks(dev, host, mapping)
+        reference.swap_blocks(host, dev, mapping)
         sync()
         best = min(best, time.perf_counter() - start)
     return 2 * n * block_bytes / best

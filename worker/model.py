@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedkv import kernels
 from pagedkv.common.config import ModelConfig
+from pagedkv.kernels import reference
 
 
 @dataclass
@@ -89,10 +90,11 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    """Grouped-query attention (Ainslie et al. 2023) over the paged cache."""
+    """Grouped-query attention (Ainslie et al. 2023) over the paged cache, with ``kernels`` (a `kernels` backend)."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, kernels: ModuleType = reference):
         super().__init__()
+        self.kernels = kernels
         h, d = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
         self.q_proj = nn.Linear(h, self.num_heads * d, bias=False, dtype=dtype)
@@ -106,9 +108,9 @@ class LlamaAttention(nn.Module):
         q = apply_rope(self.q_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        o = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                    meta.query_start_loc, self.scale)
+        self.kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = self.kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                         meta.query_start_loc, self.scale)
         return self.o_proj(o.view(n, self.num_heads * self.head_dim))
 
 
@@ -127,9 +129,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, kernels: ModuleType):
         super().__init__()
-        self.self_attn = LlamaAttention(config, dtype)
+        self.self_attn = LlamaAttention(config, dtype, kernels)
         self.mlp = LlamaMLP(config, dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -140,21 +142,25 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, kernels: ModuleType):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, kernels) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama decoder + LM head. Build it with `worker.model_loader.load_model` (weights, tying)."""
+    """Llama decoder + LM head. Build it with `worker.model_loader.load_model` (weights, tying).
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    kernels: the attention backend, a module from `kernels.select_backend` (default: the PyTorch reference).
+    """
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, kernels: ModuleType = reference):
         super().__init__()
         rope_inv_freq(config)  # reject an unsupported rope_scaling at construction, not mid-step
         self.config = config
-        self.model = LlamaModel(config, dtype)
+        self.kernels = kernels
+        self.model = LlamaModel(config, dtype, kernels)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self._inv_freq: torch.Tensor | None = None
 

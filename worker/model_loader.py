@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 
 from pagedkv.common.config import EngineConfig, ModelConfig
+from pagedkv.kernels import select_backend
 from pagedkv.worker.model import LlamaForCausalLM
 
 DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
@@ -25,17 +26,20 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def load_model(model_config: ModelConfig, engine_config: EngineConfig, device: torch.device,
                dtype: torch.dtype) -> LlamaForCausalLM:
-    """The model on ``device`` in ``dtype``, in eval mode.
+    """The model on ``device`` in ``dtype``, in eval mode, with its attention backend chosen once.
+
+    The backend is ``engine_config.attention_backend`` ("triton" | "torch"), else Triton on CUDA and
+    the PyTorch reference on CPU (`kernels.select_backend`); ``model.kernels`` holds it.
 
     ``load_format`` "auto" reads every ``*.safetensors`` shard in ``model_config.path`` (HF names);
     "dummy", or the embedded default (path None), draws N(0, 0.02) weights from a generator
     seeded with ``engine_config.seed`` (norm weights 1), reproducible on a given device.
     Embeddings are tied when ``tie_word_embeddings`` is set or the checkpoint has no ``lm_head.weight``.
     Raises FileNotFoundError when the directory holds no safetensors file, ValueError for an
-    unknown load_format or a checkpoint tensor that is missing, unexpected or of the wrong shape.
+    unknown attention backend or load_format or a checkpoint tensor that is missing, unexpected or of the wrong shape.
     """
     with torch.device("meta"):  # no throwaway initialisation: storage is filled below
-        model = LlamaForCausalLM(model_config, dtype)
+        model = LlamaForCausalLM(model_config, dtype, select_backend(engine_config.attention_backend, device))
     model.to_empty(device=device)
     fmt = engine_config.load_format
     if fmt == "dummy" or model_config.path is None:

@@ -58,7 +58,7 @@ class ModelRunner:
         """Allocate the device KV pool and the host swap pool (sizes in blocks)."""
         self.cache = None  # free an old pool before allocating a new one
         self.cache = CacheEngine(self.model_config, num_gpu_blocks, num_cpu_blocks, self.block_size,
-                                 self.dtype, self.device)
+                                 self.dtype, self.device, self.model.kernels)
 
     @torch.inference_mode()
     def profile_run(self) -> int:
@@ -71,7 +71,8 @@ class ModelRunner:
         max_len = resolve_max_model_len(self.model_config, self.engine_config.max_model_len)
         lens = [min(max_len, total - start) for start in range(0, total, max_len)]
         nblocks = [-(-n // self.block_size) for n in lens]
-        cache = CacheEngine(self.model_config, sum(nblocks), 0, self.block_size, self.dtype, self.device)
+        cache = CacheEngine(self.model_config, sum(nblocks), 0, self.block_size, self.dtype, self.device,
+                            self.model.kernels)
         params = SamplingParams(top_p=0.9, top_k=50, logprobs=self.engine_config.max_logprobs)
         scheduled, first = [], 0
         for i, (n, b) in enumerate(zip(lens, nblocks)):

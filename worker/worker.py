@@ -70,8 +70,6 @@ def load(msg: LoadModel) -> tuple[ModelRunner, WorkerHello]:
     cfg = msg.config
     if msg.world_size != 1:
         raise ValueError(f"tensor parallelism (world_size {msg.world_size}) is not implemented; use one worker")
-    if cfg.attention_backend:  # --attention-backend: the kernels package reads this on every call
-        os.environ["PAGEDKV_ATTENTION_BACKEND"] = cfg.attention_backend
     model_config = ModelConfig.load(cfg.model)
     device = select_device(cfg, msg.rank)
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:

@@ -133,8 +133,11 @@ class ModelConfig(msgspec.Struct, frozen=True):
 class EngineConfig(msgspec.Struct):
     """Everything `pagedkv serve` is configured with (vLLM flag names and meanings).
 
-    Sizes: ``block_size`` in tokens; ``num_gpu_blocks`` / ``num_cpu_blocks`` in blocks (None: sized
-    from memory); ``cpu_kv_cache_space`` and ``swap_space`` in GiB; ``worker_timeout`` in seconds.
+    Sizes: ``block_size`` in tokens; ``num_gpu_blocks`` in blocks (None: sized from memory);
+    ``cpu_kv_cache_space`` and ``swap_space`` in GiB (the host swap pool's ``num_cpu_blocks`` is
+    ``swap_space`` / the worker's KV bytes per block); ``worker_timeout`` in seconds.
+    ``attention_backend``: "triton" | "torch", or None for Triton on CUDA and torch on CPU; the
+    worker picks the kernels once from it (`kernels.select_backend`).
     """
 
     model: str | None = None

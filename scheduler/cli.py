@@ -1,4 +1,4 @@
-"""The ``pagedkv`` command: ``serve``, ``generate``, ``worker`` (and ``capacity`` when installed).
+"""The ``pagedkv`` command: ``serve``, ``generate``, ``worker``, ``bench`` and ``capacity``.
 
 Flags use vLLM's names and meanings and map one to one onto `common.config.EngineConfig`. A bad
 value is an argparse error naming the flag (exit status 2). Logs go to stderr; `generate` prints
@@ -11,12 +11,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
-import importlib.util
 import json
 import os
 import signal
 import sys
 
+from pagedkv.common import capacity
 from pagedkv.common.config import EngineConfig, ModelConfig, resolve_max_model_len
 from pagedkv.common.log import configure_logging, get_logger
 
@@ -290,11 +290,6 @@ def _cmd_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     return 0
 
 
-def _capacity_module():
-    """common.capacity when another part of pagedkv provides it (it is optional), else None."""
-    return importlib.import_module("pagedkv.common.capacity") if importlib.util.find_spec("pagedkv.common.capacity") else None
-
-
 # ---- main -----------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -346,17 +341,10 @@ def build_parser() -> argparse.ArgumentParser:
     importlib.import_module("pagedkv.scheduler.bench").add_arguments(bench)
     bench.set_defaults(handler=_cmd_bench, log_level="warning")
 
-    capacity = _capacity_module()
-    if capacity is not None:
-        # The module owns its flags: with add_arguments(parser) it declares them and main gets the
-        # namespace; without, main gets the remaining command-line words.
-        cap = sub.add_parser("capacity", help=((capacity.__doc__ or "").strip().splitlines() or ["capacity"])[0])
-        if hasattr(capacity, "add_arguments"):
-            capacity.add_arguments(cap)
-            cap.set_defaults(handler=lambda args, _parser: capacity.main(args) or 0)
-        else:
-            cap.add_argument("args", nargs=argparse.REMAINDER)
-            cap.set_defaults(handler=lambda args, _parser: capacity.main(args.args) or 0)
+    cap = sub.add_parser("capacity", help="how many KV tokens, blocks and concurrent requests fit on one GPU",
+                         description=(capacity.__doc__ or "").strip().splitlines()[0])
+    capacity.add_arguments(cap)
+    cap.set_defaults(handler=lambda args, _parser: capacity.main(args) or 0)
     return parser
 
 

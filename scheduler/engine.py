@@ -1,10 +1,11 @@
 """The engine: the asyncio loop that joins requests, the scheduler and the worker.
 
 One loop turns forever: apply aborts, ask the scheduler for a step plan, send it to the worker,
-apply the sampled tokens (detokenize, check stop conditions, stream deltas to each request's
-queue), free finished requests' blocks. The API and `pagedkv generate` talk to it through
-`Engine.add_request`, an async iterator of `RequestOutput` deltas; closing that iterator early
-aborts the request, so every block comes back whatever way a request ends.
+hand the sampled tokens to the output processor (`scheduler.output_processor`: detokenize, check
+stop conditions, stream deltas to each request's queue), free finished requests' blocks. The API
+and `pagedkv generate` talk to it through `Engine.add_request`, an async iterator of
+`RequestOutput` deltas; closing that iterator early aborts the request, so every block comes back
+whatever way a request ends. Metrics, tracing and the request log are written here.
 """
 
 from __future__ import annotations
@@ -14,86 +15,23 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-import msgspec
-
 from pagedkv.common.config import EngineConfig, ModelConfig, resolve_max_model_len
 from pagedkv.common.log import get_logger
 from pagedkv.common.protocol import StepResult
 from pagedkv.common.sampling_params import SamplingParams
 from pagedkv.common.tracing import RequestTracer, make_tracer
-from pagedkv.scheduler.beam_search import BeamSearch
-from pagedkv.scheduler.detokenizer import IncrementalDetokenizer
 from pagedkv.scheduler.contiguous_allocator import ContiguousAllocator
 from pagedkv.scheduler.kv_cache_manager import KVCacheManager
 from pagedkv.scheduler.metrics import Metrics
+from pagedkv.scheduler.output_processor import OutputProcessor, RequestOutput, RequestStream
 from pagedkv.scheduler.preemption import PreemptionPolicy
-from pagedkv.scheduler.request import Request, RequestStatus
+from pagedkv.scheduler.request import RequestStatus
 from pagedkv.scheduler.scheduler import ScheduledStep, Scheduler
 from pagedkv.scheduler.swap import SwapSpace
 from pagedkv.scheduler.tokenizer import Tokenizer
 from pagedkv.scheduler.worker_client import WorkerClient, WorkerFailed
 
 log = get_logger("pagedkv.engine")
-
-
-def _child_seed(seed: int | None, index: int) -> int | None:
-    """Seed of choice ``index`` of a seeded n > 1 request; choice 0 keeps the request's own seed."""
-    if seed is None or index == 0:
-        return seed
-    return (seed + index * 0x9E3779B97F4A7C15) % 2**63
-
-
-class TokenLogprob(msgspec.Struct):
-    """A sampled token's log-probability (natural log) and the top alternatives (id, text, logprob)."""
-
-    token_id: int
-    token: str
-    logprob: float
-    top_logprobs: list[tuple[int, str, float]]
-
-
-class RequestOutput(msgspec.Struct):
-    """One streamed delta of one choice: the tokens and text new since the previous delta.
-
-    finish_reason: None while running, then "stop" | "length" | "abort" | "error" (with ``error``).
-    """
-
-    request_id: str
-    index: int
-    token_ids: list[int]
-    text: str
-    logprobs: list[TokenLogprob] | None
-    finish_reason: str | None
-    error: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-
-
-class _Stream:
-    """Engine-side companion of one user request: its output queue, its choices and clocks.
-
-    A request with n > 1 (or beam search) is served by several sibling `Request`s; each choice
-    index gets its own detokenizer. The stream ends once all ``n`` choices have finished.
-    """
-
-    def __init__(self, request_id: str, params: SamplingParams, arrival_time: float):
-        self.request_id = request_id
-        self.params = params
-        self.n = params.n
-        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self.detoks: dict[int, IncrementalDetokenizer] = {}
-        self.finished: set[int] = set()  # choice indices
-        self.members: list[Request] = []  # every sequence ever created for it
-        self.beam: BeamSearch | None = None
-        self.arrival_time = arrival_time
-        self.first_token_time: float | None = None
-        self.last_token_time = arrival_time
-        self.span = None  # its OpenTelemetry span, when tracing is on
-
-    @property
-    def done(self) -> bool:
-        return len(self.finished) == self.n
 
 
 class Engine:
@@ -122,8 +60,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, policy)
         self.metrics = Metrics(model_config.name)
         self.tracer: RequestTracer | None = None
-        self._streams: dict[str, _Stream] = {}  # user request id -> stream
-        self._owner: dict[str, _Stream] = {}  # sequence (Request) id -> its user request's stream
+        self.output = OutputProcessor(tokenizer, self.scheduler, self.max_model_len)
         self._aborts: set[str] = set()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -155,7 +92,6 @@ class Engine:
             raise
         engine = cls(config, model_config, tokenizer, client, num_gpu_blocks, num_cpu_blocks)
         engine.device = hello.device
-        engine.swap_bandwidth = hello.swap_bandwidth
         engine.scheduler.policy.kv_bytes_per_block = hello.kv_bytes_per_block  # the cost model's inputs
         if hello.swap_bandwidth:
             engine.scheduler.policy.swap_bandwidth = hello.swap_bandwidth
@@ -189,37 +125,10 @@ class Engine:
             raise RuntimeError(f"engine is not serving: {self._error or 'stopped'}")
         self._validate(prompt_token_ids, params)
         request_id = request_id or f"cmpl-{uuid.uuid4().hex}"
-        if request_id in self._streams:
+        if request_id in self.output.streams:
             raise ValueError(f"request_id: {request_id!r} is already running")
-        stream = _Stream(request_id, params, time.monotonic())
-        group: list[Request] = []
-
-        def member(rid: str, sampling: SamplingParams, index: int) -> Request:
-            req = Request(rid, prompt_token_ids, sampling, stream.arrival_time, priority, cache_salt, group, index)
-            stream.members.append(req)
-            self._owner[rid] = stream
-            return req
-
-        if params.use_beam_search:
-            # as transformers: keep max(2, 1 + #eos) x width candidates, so width survive the EOS ones
-            keep = max(2, 1 + len(self.tokenizer.eos_token_ids)) * params.n
-            beam_params = SamplingParams(temperature=0, max_tokens=params.max_tokens, logprobs=keep,
-                                         use_beam_search=True, ignore_eos=True)
-            leader = member(f"{request_id}-beam0", beam_params, 0)
-            stream.beam = BeamSearch(params.n, params.max_tokens, params.length_penalty, params.early_stopping,
-                                     self.tokenizer.eos_token_ids, len(prompt_token_ids), leader.request_id)
-            members = [leader]
-        else:
-            members = [member(request_id if params.n == 1 else f"{request_id}-{i}",
-                              msgspec.structs.replace(params, n=1, seed=_child_seed(params.seed, i)), i)
-                       for i in range(params.n)]
-            for req in members:
-                stream.detoks[req.index] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
-                                                                  params.stop, params.skip_special_tokens)
-        if len(members) > 1 and len(prompt_token_ids) > 1:  # siblings fork at the prompt's last token
-            members[0].pending_forks = members[1:]
-            members = members[:1]
-        self._streams[request_id] = stream
+        stream, members = self.output.add(request_id, prompt_token_ids, params, time.monotonic(), priority,
+                                          cache_salt)
         if self.tracer is not None:
             stream.span = self.tracer.start_request(request_id, self.model_config.name, len(prompt_token_ids),
                                                     stream.arrival_time, traceparent,
@@ -258,7 +167,7 @@ class Engine:
             raise ValueError(f"prompt: prompt + max_tokens needs {need} KV blocks but the whole pool "
                              f"has {self.kv.num_gpu_blocks} (block_size {self.kv.block_size})")
 
-    async def _iterate(self, stream: _Stream) -> AsyncIterator[RequestOutput]:
+    async def _iterate(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
         try:
             while not (stream.done and stream.queue.empty()):
                 yield await stream.queue.get()
@@ -268,7 +177,7 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         """Abort a request (applied between steps); its blocks come back. Unknown ids are ignored."""
-        if request_id in self._streams:
+        if request_id in self.output.streams:
             self._aborts.add(request_id)
             self._wake.set()
 
@@ -292,7 +201,8 @@ class Engine:
                     return
                 if result.error is not None:
                     log.error("step failed", step_id=result.step_id, error=result.error)
-                    failed = {self._owner[rid] for rid in step.num_scheduled_tokens if rid in self._owner}
+                    owner = self.output.owner
+                    failed = {owner[rid] for rid in step.num_scheduled_tokens if rid in owner}
                     for stream in failed:
                         self._end_stream(stream, RequestStatus.FINISHED_ERROR, f"worker error: {result.error}")
                     continue
@@ -319,7 +229,7 @@ class Engine:
                      **({"fallback": p.fallback} if p.fallback else {}))
             for rid in p.request_ids:
                 self.metrics.on_preemption(p.mode)
-                stream = self._owner.get(rid)
+                stream = self.output.owner.get(rid)
                 if self.tracer is not None and stream is not None and stream.span is not None:
                     self.tracer.preempt(stream.span, rid, p)
         if self.tracer is not None:
@@ -328,7 +238,7 @@ class Engine:
 
     def _apply_aborts(self) -> None:
         for rid in self._aborts:
-            if (stream := self._streams.get(rid)) is not None:
+            if (stream := self.output.streams.get(rid)) is not None:
                 self._end_stream(stream, RequestStatus.FINISHED_ABORTED)
         self._aborts.clear()
 
@@ -338,108 +248,24 @@ class Engine:
             req = self.scheduler.requests.get(sampled.request_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue
-            stream = self._owner[req.request_id]
+            stream = self.output.owner[req.request_id]
             first = stream.first_token_time is None
             if first:
                 stream.first_token_time = now
                 self.metrics.on_admitted(req.num_prompt_tokens, req.num_cached_tokens)
             self.metrics.on_token(first, now - stream.last_token_time)
             stream.last_token_time = now
-            if stream.beam is not None:
-                self._beam_report(stream, req, sampled.top_logprobs or [])
-            else:
-                self._sampled(stream, req, sampled)
-
-    def _sampled(self, stream: _Stream, req: Request, sampled) -> None:
-        """Append a sampled token to one sequence, detokenize, check its stop conditions, stream it."""
-        params, token, detok = req.sampling, sampled.token_id, stream.detoks[req.index]
-        req.token_ids.append(token)
-        status = None
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.tokenizer.eos_token_ids):
-            status, text = RequestStatus.FINISHED_STOPPED, detok.flush()
-        else:
-            text = detok.append(token)
-            if detok.stopped:
-                status = RequestStatus.FINISHED_STOPPED
-            elif req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
-                status = RequestStatus.FINISHED_LENGTH
-                text += detok.flush()
-        logprobs = None
-        if params.logprobs is not None and sampled.logprob is not None:
-            tok = self.tokenizer.token_to_str
-            logprobs = [TokenLogprob(token, tok(token), sampled.logprob,
-                                     [(t, tok(t), lp) for t, lp in sampled.top_logprobs or []])]
-        stream.queue.put_nowait(self._output(stream, req, req.index, [token], text, logprobs, status))
-        if status is not None:
-            self.scheduler.finish(req, status)
-            stream.finished.add(req.index)
-            if stream.done:
+            if (status := self.output.process(stream, req, sampled)) is not None:
                 self._close(stream, status)
 
-    def _beam_report(self, stream: _Stream, req: Request, top_logprobs: list[tuple[int, float]]) -> None:
-        """Collect one beam's candidates; once all beams reported, fork, extend and drop beams."""
-        search = stream.beam
-        if not search.report(req.request_id, top_logprobs):
-            return
-        live = {rid: self.scheduler.requests[rid] for rid in search.cum_logprob}
-        bases = {rid: list(r.token_ids) for rid, r in live.items()}
-        chosen = search.step({rid: r.output_token_ids for rid, r in live.items()})
-        kept: set[str] = set()
-        for parent_id, token, cum in chosen:
-            parent = live[parent_id]
-            if parent_id not in kept:  # the first child continues in the parent's own blocks
-                kept.add(parent_id)
-                parent.token_ids.append(token)
-                parent.unsent_token_ids.append(token)
-                search.set_beam(parent_id, cum)
-                continue
-            child = Request(f"{stream.request_id}-beam{len(stream.members)}", parent.prompt_token_ids,
-                            parent.sampling, stream.arrival_time, parent.priority, parent.cache_salt,
-                            parent.group, len(stream.members))
-            child.token_ids = bases[parent_id] + [token]
-            stream.members.append(child)
-            self._owner[child.request_id] = stream
-            self.scheduler.fork(parent, [child])
-            search.set_beam(child.request_id, cum)
-        for rid, beam in live.items():
-            if rid not in kept:  # a beam without children gives its blocks back
-                self.scheduler.finish(beam, RequestStatus.FINISHED_STOPPED)
-        if search.done:
-            for i, hyp in enumerate(search.results()):
-                detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, [],
-                                               stream.params.skip_special_tokens)
-                text = "".join(detok.append(t) for t in hyp.token_ids) + detok.flush()
-                status = RequestStatus.FINISHED_STOPPED if hyp.ended_with_eos else RequestStatus.FINISHED_LENGTH
-                stream.queue.put_nowait(RequestOutput(stream.request_id, i, hyp.token_ids, text, None,
-                                                      status.finish_reason, None, req.num_prompt_tokens,
-                                                      len(hyp.token_ids), req.num_cached_tokens))
-                stream.finished.add(i)
-            self._end_stream(stream, RequestStatus.FINISHED_LENGTH)
-
-    def _output(self, stream: _Stream, req: Request, index: int, token_ids: list[int], text: str,
-                logprobs, status, error: str | None = None) -> RequestOutput:
-        return RequestOutput(stream.request_id, index, token_ids, text, logprobs,
-                             status.finish_reason if status else None, error, req.num_prompt_tokens,
-                             req.num_output_tokens, req.num_cached_tokens)
-
-    def _end_stream(self, stream: _Stream, status: RequestStatus, error: str | None = None) -> None:
-        """Finish every live sequence of a request; unfinished choices get a final delta with ``status``."""
-        for req in stream.members:
-            if req.request_id in self.scheduler.requests:
-                self.scheduler.finish(req, status)
-        first = stream.members[0]
-        for index in range(stream.n):
-            if index not in stream.finished:
-                req = next((m for m in stream.members if m.index == index), first)
-                stream.queue.put_nowait(self._output(stream, req, index, [], "", None, status, error))
-                stream.finished.add(index)
+    def _end_stream(self, stream: RequestStream, status: RequestStatus, error: str | None = None) -> None:
+        """End a request early (abort, worker error): every sequence finishes, every choice gets a last delta."""
+        self.output.end(stream, status, error)
         self._close(stream, status, error)
 
-    def _close(self, stream: _Stream, status: RequestStatus, error: str | None = None) -> None:
-        """Forget a finished request and write its one log line."""
-        self._streams.pop(stream.request_id, None)
-        for req in stream.members:
-            self._owner.pop(req.request_id, None)
+    def _close(self, stream: RequestStream, status: RequestStatus, error: str | None = None) -> None:
+        """Forget a finished request; record its metrics, end its span and write its one log line."""
+        self.output.forget(stream)
         now = time.monotonic()
         self.metrics.on_finished(status.finish_reason, now - stream.arrival_time)
         self.metrics.on_request_preemptions(sum(m.num_preemptions for m in stream.members))
@@ -460,7 +286,7 @@ class Engine:
         """The worker is gone: fail every request with a clear message; the engine stops serving."""
         self._error = error
         log.error("engine failed", error=error)
-        for stream in list(self._streams.values()):
+        for stream in list(self.output.streams.values()):
             self._end_stream(stream, RequestStatus.FINISHED_ERROR, error)
 
     # ---- introspection and shutdown -------------------------------------------------------
@@ -491,7 +317,7 @@ class Engine:
     async def shutdown(self) -> None:
         """Abort everything, stop the loop, stop the worker."""
         if self._task is not None and not self._task.done():
-            for rid in list(self._streams):
+            for rid in list(self.output.streams):
                 self.abort(rid)
             self._apply_aborts()
             self._task.cancel()

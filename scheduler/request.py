@@ -85,10 +85,6 @@ class Request:
         """Tokens computed once before siblings fork: all but the prompt's last token."""
         return self.num_prompt_tokens - 1
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status.finished
-
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens}, blocks={self.block_table})")

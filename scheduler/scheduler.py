@@ -1,11 +1,12 @@
-"""The scheduler: continuous batching with FCFS admission and recompute preemption.
+"""The scheduler: continuous batching with FCFS or priority admission, recompute or swap preemption.
 
 Each step spends a token budget of ``max_num_batched_tokens`` across at most ``max_num_seqs``
 requests. Running requests go first, in admission order, each asking for the tokens it has not
 computed yet (1 when decoding, the rest of its prompt when prefilling, in chunks if the budget is
-short). When one cannot get a block, the most recently admitted running request is preempted
-(recompute: its blocks are freed and it returns to the head of the waiting queue, to recompute
-prompt + generated tokens later) — until the blocks suffice or the request itself was the victim.
+short). When one cannot get a block, a victim chosen by the policy (FCFS: the most recently
+admitted) is preempted with its siblings — by recompute (its blocks are freed and it returns to the
+head of the waiting queue, to recompute prompt + generated tokens later) or by swap (its blocks move
+to the host pool) — until the blocks suffice or the request itself was the victim.
 If nothing was preempted, swapped-out requests are swapped back in first, then waiting requests
 are admitted first-come first-served while the budget, ``max_num_seqs`` and the free blocks allow.
 Victim and mode (recompute or swap) are `scheduler.preemption` policy; host blocks are

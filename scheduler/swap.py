@@ -54,19 +54,16 @@ class SwapSpace:
         """Device blocks a swap-in of ``requests`` takes (their distinct host blocks)."""
         return len(self.distinct([self.host_tables[r.request_id] for r in requests]))
 
-    def swap_out(self, requests: list[Request], sources: dict[int, int] | None = None) -> list[tuple[int, int]]:
+    def swap_out(self, requests: list[Request]) -> list[tuple[int, int]]:
         """Move every block of ``requests`` to the host pool; returns (device_block, host_block) pairs.
 
         Each request's device blocks are freed (its ``block_table`` becomes empty, its
-        ``num_computed_tokens`` is kept: that KV now lives on the host). sources: device block ->
-        the device block to read instead, for a block whose copy-on-write copy was planned this
-        step but has not run yet (the worker swaps out before it copies).
+        ``num_computed_tokens`` is kept: that KV now lives on the host).
         Raises ValueError when the host pool lacks room (check `can_swap_out` first); nothing changes then.
         """
         if not self.can_swap_out(requests):
             raise ValueError(f"host pool has {self.num_free_cpu_blocks} free blocks, too few to swap out "
                              f"{[r.request_id for r in requests]}")
-        sources = sources or {}
         device_ids = self.distinct([r.block_table for r in requests])
         host_of = dict(zip(device_ids, (b.block_id for b in self.host.allocate(len(device_ids)))))
         for req in requests:
@@ -77,7 +74,7 @@ class SwapSpace:
             req.block_table = []
         self.host.free([self.host.blocks[h] for h in host_of.values()])  # drop allocate's own reference
         self.num_blocks_swapped_out += len(device_ids)
-        return [(sources.get(d, d), h) for d, h in host_of.items()]
+        return list(host_of.items())
 
     def swap_in(self, requests: list[Request]) -> list[tuple[int, int]]:
         """Bring every block of ``requests`` back to the device; returns (host_block, device_block) pairs.
@@ -105,9 +102,6 @@ class SwapSpace:
         table = self.host_tables.pop(request.request_id, None)
         if table:
             self.host.free([self.host.blocks[h] for h in reversed(table)])
-
-    def is_swapped(self, request: Request) -> bool:
-        return request.request_id in self.host_tables
 
     def check_invariants(self) -> None:
         """Assert the host pool's reference counts match the host tables (tests call this)."""

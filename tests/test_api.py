@@ -21,7 +21,8 @@ from conftest import GOLDEN_COMPLETION, GOLDEN_PROMPT, GOLDEN_PROMPT_IDS
 
 from pagedkv.common.config import EngineConfig, ModelConfig
 from pagedkv.scheduler.api import build_app
-from pagedkv.scheduler.engine import Engine, RequestOutput
+from pagedkv.scheduler.engine import Engine
+from pagedkv.scheduler.output_processor import RequestOutput
 from pagedkv.scheduler.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -182,7 +182,7 @@ async def test_priority_policy_in_the_engine_never_preempts_the_urgent_request(s
         greedy = SamplingParams(temperature=0, max_tokens=60)
         streams = [engine.add_request(GOLDEN_PROMPT_IDS, greedy, f"bulk-{i}", priority=1) for i in range(15)]
         streams.append(engine.add_request(GOLDEN_PROMPT_IDS, greedy, "urgent", priority=0))  # arrives last
-        urgent = engine._streams["urgent"].members[0]
+        urgent = engine.output.streams["urgent"].members[0]
         out = await asyncio.gather(*[collect(s) for s in streams])
         assert [tokens for tokens, _, _ in out] == [GOLDEN_OUTPUT_IDS] * 16
         assert engine.scheduler.num_preemptions > 0 and urgent.num_preemptions == 0

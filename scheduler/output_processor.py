@@ -1,0 +1,248 @@
+"""Output processing: sampled token ids in, streamed `RequestOutput` deltas out.
+
+For each user request the engine keeps one `RequestStream`: its output queue, the sibling
+sequences serving its ``n`` choices (n > 1 or beam search), a detokenizer per choice and its
+clocks. `OutputProcessor` turns one step's sampled tokens into deltas: it appends each token,
+detokenizes it (`scheduler.detokenizer`), checks the stop conditions (EOS, stop token ids, stop
+strings, max_tokens, max_model_len), attaches logprobs, and drives beam search (`scheduler.
+beam_search`): forking surviving beams and dropping the others through the scheduler, and
+reporting the best hypotheses once the search ends. Metrics, tracing and the request log stay
+with the engine, which closes a stream when this module says it is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+
+from pagedkv.common.protocol import SampledToken
+from pagedkv.common.sampling_params import SamplingParams
+from pagedkv.scheduler.beam_search import BeamSearch
+from pagedkv.scheduler.detokenizer import IncrementalDetokenizer
+from pagedkv.scheduler.request import Request, RequestStatus
+from pagedkv.scheduler.scheduler import Scheduler
+from pagedkv.scheduler.tokenizer import Tokenizer
+
+
+def child_seed(seed: int | None, index: int) -> int | None:
+    """Seed of choice ``index`` of a seeded n > 1 request; choice 0 keeps the request's own seed."""
+    if seed is None or index == 0:
+        return seed
+    return (seed + index * 0x9E3779B97F4A7C15) % 2**63
+
+
+class TokenLogprob(msgspec.Struct):
+    """A sampled token's log-probability (natural log) and the top alternatives (id, text, logprob)."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top_logprobs: list[tuple[int, str, float]]
+
+
+class RequestOutput(msgspec.Struct):
+    """One streamed delta of one choice: the tokens and text new since the previous delta.
+
+    finish_reason: None while running, then "stop" | "length" | "abort" | "error" (with ``error``).
+    """
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None
+    error: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+
+
+class RequestStream:
+    """Engine-side companion of one user request: its output queue, its choices and clocks.
+
+    A request with n > 1 (or beam search) is served by several sibling `Request`s; each choice
+    index gets its own detokenizer. The stream ends once all ``n`` choices have finished.
+    Clocks are time.monotonic() seconds.
+    """
+
+    def __init__(self, request_id: str, params: SamplingParams, arrival_time: float):
+        self.request_id = request_id
+        self.params = params
+        self.n = params.n
+        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.detoks: dict[int, IncrementalDetokenizer] = {}
+        self.finished: set[int] = set()  # choice indices
+        self.members: list[Request] = []  # every sequence ever created for it
+        self.beam: BeamSearch | None = None
+        self.arrival_time = arrival_time
+        self.first_token_time: float | None = None
+        self.last_token_time = arrival_time
+        self.span = None  # its OpenTelemetry span, when tracing is on
+
+    @property
+    def done(self) -> bool:
+        return len(self.finished) == self.n
+
+
+class OutputProcessor:
+    """Creates the sequences of each request and turns their sampled tokens into output deltas.
+
+    Owns ``streams`` (user request id -> stream) and ``owner`` (sequence id -> its stream). Ends
+    and forks sequences through ``scheduler`` (which frees their blocks).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, scheduler: Scheduler, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.max_model_len = max_model_len
+        self.streams: dict[str, RequestStream] = {}
+        self.owner: dict[str, RequestStream] = {}
+
+    # ---- creating a request's sequences ------------------------------------------------------
+
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float,
+            priority: int = 0, cache_salt: str | None = None) -> tuple[RequestStream, list[Request]]:
+        """Create the stream and the sequences of one request; returns it and the sequences to queue.
+
+        n > 1: n siblings with derived seeds; beam search: one leader beam (greedy, top-k logprobs).
+        With more than one sequence and a prompt longer than one token, only the leader is queued:
+        the others fork from it at the prompt's last token (``pending_forks``).
+        """
+        stream = RequestStream(request_id, params, arrival_time)
+        group: list[Request] = []
+
+        def member(rid: str, sampling: SamplingParams, index: int) -> Request:
+            req = Request(rid, prompt_token_ids, sampling, arrival_time, priority, cache_salt, group, index)
+            self._register(stream, req)
+            return req
+
+        if params.use_beam_search:
+            # as transformers: keep max(2, 1 + #eos) x width candidates, so width survive the EOS ones
+            keep = max(2, 1 + len(self.tokenizer.eos_token_ids)) * params.n
+            beam_params = SamplingParams(temperature=0, max_tokens=params.max_tokens, logprobs=keep,
+                                         use_beam_search=True, ignore_eos=True)
+            leader = member(f"{request_id}-beam0", beam_params, 0)
+            stream.beam = BeamSearch(params.n, params.max_tokens, params.length_penalty, params.early_stopping,
+                                     self.tokenizer.eos_token_ids, len(prompt_token_ids), leader.request_id)
+            members = [leader]
+        else:
+            members = [member(request_id if params.n == 1 else f"{request_id}-{i}",
+                              msgspec.structs.replace(params, n=1, seed=child_seed(params.seed, i)), i)
+                       for i in range(params.n)]
+            for req in members:
+                stream.detoks[req.index] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
+                                                                  params.stop, params.skip_special_tokens)
+        if len(members) > 1 and len(prompt_token_ids) > 1:  # siblings fork at the prompt's last token
+            members[0].pending_forks = members[1:]
+            members = members[:1]
+        self.streams[request_id] = stream
+        return stream, members
+
+    def _register(self, stream: RequestStream, req: Request) -> None:
+        stream.members.append(req)
+        self.owner[req.request_id] = stream
+
+    # ---- sampled tokens ----------------------------------------------------------------------
+
+    def process(self, stream: RequestStream, req: Request, sampled: SampledToken) -> RequestStatus | None:
+        """Apply one sampled token of running sequence ``req``; returns a status once the stream is done."""
+        if stream.beam is not None:
+            return self._beam_report(stream, req, sampled.top_logprobs or [])
+        return self._token(stream, req, sampled)
+
+    def _token(self, stream: RequestStream, req: Request, sampled: SampledToken) -> RequestStatus | None:
+        """Append a sampled token to one sequence, detokenize, check its stop conditions, stream it."""
+        params, token, detok = req.sampling, sampled.token_id, stream.detoks[req.index]
+        req.token_ids.append(token)
+        status = None
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.tokenizer.eos_token_ids):
+            status, text = RequestStatus.FINISHED_STOPPED, detok.flush()
+        else:
+            text = detok.append(token)
+            if detok.stopped:
+                status = RequestStatus.FINISHED_STOPPED
+            elif req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
+                status = RequestStatus.FINISHED_LENGTH
+                text += detok.flush()
+        logprobs = None
+        if params.logprobs is not None and sampled.logprob is not None:
+            tok = self.tokenizer.token_to_str
+            logprobs = [TokenLogprob(token, tok(token), sampled.logprob,
+                                     [(t, tok(t), lp) for t, lp in sampled.top_logprobs or []])]
+        stream.queue.put_nowait(self._output(stream, req, req.index, [token], text, logprobs, status))
+        if status is None:
+            return None
+        self.scheduler.finish(req, status)
+        stream.finished.add(req.index)
+        return status if stream.done else None
+
+    def _beam_report(self, stream: RequestStream, req: Request,
+                     top_logprobs: list[tuple[int, float]]) -> RequestStatus | None:
+        """Collect one beam's candidates; once all beams reported, fork, extend and drop beams."""
+        search = stream.beam
+        if not search.report(req.request_id, top_logprobs):
+            return None
+        live = {rid: self.scheduler.requests[rid] for rid in search.cum_logprob}
+        bases = {rid: list(r.token_ids) for rid, r in live.items()}
+        chosen = search.step({rid: r.output_token_ids for rid, r in live.items()})
+        kept: set[str] = set()
+        for parent_id, token, cum in chosen:
+            parent = live[parent_id]
+            if parent_id not in kept:  # the first child continues in the parent's own blocks
+                kept.add(parent_id)
+                parent.token_ids.append(token)
+                parent.unsent_token_ids.append(token)
+                search.set_beam(parent_id, cum)
+                continue
+            child = Request(f"{stream.request_id}-beam{len(stream.members)}", parent.prompt_token_ids,
+                            parent.sampling, stream.arrival_time, parent.priority, parent.cache_salt,
+                            parent.group, len(stream.members))
+            child.token_ids = bases[parent_id] + [token]
+            self._register(stream, child)
+            self.scheduler.fork(parent, [child])
+            search.set_beam(child.request_id, cum)
+        for rid, beam in live.items():
+            if rid not in kept:  # a beam without children gives its blocks back
+                self.scheduler.finish(beam, RequestStatus.FINISHED_STOPPED)
+        if not search.done:
+            return None
+        for i, hyp in enumerate(search.results()):
+            detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, [], stream.params.skip_special_tokens)
+            text = "".join(detok.append(t) for t in hyp.token_ids) + detok.flush()
+            status = RequestStatus.FINISHED_STOPPED if hyp.ended_with_eos else RequestStatus.FINISHED_LENGTH
+            stream.queue.put_nowait(RequestOutput(stream.request_id, i, hyp.token_ids, text, None,
+                                                  status.finish_reason, None, req.num_prompt_tokens,
+                                                  len(hyp.token_ids), req.num_cached_tokens))
+            stream.finished.add(i)
+        self.end(stream, RequestStatus.FINISHED_LENGTH)
+        return RequestStatus.FINISHED_LENGTH
+
+    # ---- ending ------------------------------------------------------------------------------
+
+    def end(self, stream: RequestStream, status: RequestStatus, error: str | None = None) -> None:
+        """Finish every live sequence of a request; unfinished choices get a final delta with ``status``."""
+        for req in stream.members:
+            if req.request_id in self.scheduler.requests:
+                self.scheduler.finish(req, status)
+        first = stream.members[0]
+        for index in range(stream.n):
+            if index not in stream.finished:
+                req = next((m for m in stream.members if m.index == index), first)
+                stream.queue.put_nowait(self._output(stream, req, index, [], "", None, status, error))
+                stream.finished.add(index)
+
+    def forget(self, stream: RequestStream) -> None:
+        """Drop a finished request's stream and sequence ids."""
+        self.streams.pop(stream.request_id, None)
+        for req in stream.members:
+            self.owner.pop(req.request_id, None)
+
+    @staticmethod
+    def _output(stream: RequestStream, req: Request, index: int, token_ids: list[int], text: str,
+                logprobs: list[TokenLogprob] | None, status: RequestStatus | None,
+                error: str | None = None) -> RequestOutput:
+        return RequestOutput(stream.request_id, index, token_ids, text, logprobs,
+                             status.finish_reason if status else None, error, req.num_prompt_tokens,
+                             req.num_output_tokens, req.num_cached_tokens)

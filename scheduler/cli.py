@@ -54,7 +54,9 @@ def _float_in(lo: float, hi: float | None = None, lo_open: bool = False):
     return parse
 
 
-def _model_dir(s: str) -> str:
+def _model_dir(s: str) -> str | None:
+    if s == "":  # `--model=` (e.g. `--model=${MODEL:-}` in a compose file): the embedded model
+        return None
     if not os.path.isfile(os.path.join(s, "config.json")):
         raise argparse.ArgumentTypeError(f"{s!r} is not a Hugging Face checkpoint directory (no config.json)")
     return os.path.abspath(s)
@@ -65,7 +67,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and engine")
     g.add_argument("--model", type=_model_dir, default=None, metavar="PATH",
                    help="Hugging Face Llama-family checkpoint directory (config.json, *.safetensors, tokenizer.json); "
-                        "default: a built-in small model with random weights and a byte-level tokenizer")
+                        "default (or empty): a built-in small model with random weights and a byte-level tokenizer")
     g.add_argument("--load-format", choices=["auto", "dummy"], default=d.load_format,
                    help="dummy: seeded random weights for the checkpoint's config (benchmarks)")
     g.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=d.dtype)

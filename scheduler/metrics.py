@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 _COUNT_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
+PREEMPTION_MODES = ("recompute", "swap")  # the `mode` label of pagedkv:num_preemptions
 
 
 class Metrics:
@@ -40,6 +41,13 @@ class Metrics:
         self.request_preemptions = Histogram("pagedkv:request_num_preemptions", "Preemptions of each finished request (all its sequences).", labels, buckets=_COUNT_BUCKETS, registry=r)
         self.model_name = model_name
         self._l = {"model_name": model_name}
+        # Every series exists from the first scrape (zero until something happens), so a dashboard
+        # or alert sees 0 instead of "no data", and rate() has a starting point.
+        for metric in vars(self).values():
+            if isinstance(metric, (Counter, Gauge, Histogram)) and metric not in (self.num_preemptions, self.request_success):
+                metric.labels(**self._l)
+        for mode in PREEMPTION_MODES:
+            self.num_preemptions.labels(mode=mode, **self._l)
 
     def on_step(self, num_running: int, num_waiting: int, kv_usage: float, num_cached_free: int) -> None:
         self.num_running.labels(**self._l).set(num_running)

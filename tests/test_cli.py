@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import GOLDEN_COMPLETION, GOLDEN_PROMPT
 
-from pagedkv.scheduler.cli import build_parser, main
+from pagedkv.scheduler.cli import _engine_config, build_parser, main
 
 REPO = Path(__file__).resolve().parents[1]
 PAGEDKV = [sys.executable, "-m", "pagedkv.scheduler.cli"]
@@ -218,3 +218,10 @@ def test_a_mistyped_flag_is_reported_with_the_subcommand_usage(capsys):
     err = capsys.readouterr().err
     assert exit_info.value.code == 2
     assert "usage: pagedkv serve" in err and "pagedkv serve: error: unrecognized arguments: --modle x" in err
+
+
+def test_empty_model_flag_is_the_embedded_model():
+    # docker-compose.yml passes `--model=${MODEL:-}`: unset MODEL serves the embedded model
+    args = build_parser().parse_args(["serve", "--model="])
+    assert args.model is None
+    assert _engine_config(args, build_parser()).model is None

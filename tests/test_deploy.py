@@ -12,6 +12,9 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import subprocess
+import sys
+import tomllib
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -21,9 +24,13 @@ yaml = pytest.importorskip("yaml")
 
 from pagedkv.scheduler.cli import _engine_config, build_parser  # noqa: E402
 from pagedkv.scheduler.metrics import Metrics  # noqa: E402
+from pagedkv.common.tracing import EXPORTERS  # noqa: E402
+from prometheus_client import generate_latest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 OPS = ROOT / "ops"
+LOCAL_OVERRIDE = OPS / "docker-compose.local.yml"
+DEFAULT_OVERRIDE = ROOT / "docker-compose.override.yml"
 CONTROL_PLANE = "control-plane"
 WORKERS = ("worker", "worker-gpu")
 
@@ -55,9 +62,39 @@ def _interpolate(value, env: dict[str, str]):
     return _VAR.sub(sub, value)
 
 
+def _load(path: Path, env: dict[str, str] | None) -> dict:
+    return _interpolate(yaml.safe_load(path.read_text()), env or {})
+
+
+def _merge(services: dict, override: dict) -> dict:
+    """Services with an override file's services over them, as Compose merges them: mappings key by
+    key (build, environment), lists joined (ports, extra_hosts), command and entrypoint replaced."""
+    merged = {name: dict(svc) for name, svc in services.items()}
+    for name, over in override.items():
+        svc = merged.setdefault(name, {})
+        for key, value in over.items():
+            old = svc.get(key)
+            if isinstance(old, dict) and isinstance(value, dict):
+                svc[key] = {**old, **value}
+            elif isinstance(old, list) and isinstance(value, list) and key not in ("command", "entrypoint"):
+                svc[key] = old + value
+            else:
+                svc[key] = value
+    return merged
+
+
 def _compose(env: dict[str, str] | None = None) -> dict:
-    raw = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    return _interpolate(raw, env or {})
+    """What `docker compose up` reads: docker-compose.yml with docker-compose.override.yml over it."""
+    raw = _load(ROOT / "docker-compose.yml", env)
+    return {**raw, "services": _merge(raw["services"], _load(DEFAULT_OVERRIDE, env)["services"])}
+
+
+def _local(env: dict[str, str] | None = None) -> dict:
+    """The services ops/compose_check.sh starts: docker-compose.yml with ops/docker-compose.local.yml
+    over it (given with -f, so docker-compose.override.yml is not read)."""
+    base = _load(ROOT / "docker-compose.yml", env)["services"]
+    override = _load(LOCAL_OVERRIDE, env)["services"]
+    return {name: svc for name, svc in _merge(base, override).items() if name in override}
 
 
 def _argv(service: dict) -> list[str]:
@@ -179,6 +216,47 @@ def test_gpu_profile_worker_reserves_a_gpu_and_runs_the_same_command():
     assert gpu["image"] != cpu["image"]
 
 
+# ---- the local override (ops/docker-compose.local.yml, what ops/compose_check.sh starts) --------
+
+def test_local_override_puts_every_started_service_on_the_host_network_bound_to_loopback(model_dir: Path):
+    services = _local({"MODEL": str(model_dir)})
+    assert set(services) == {CONTROL_PLANE, "worker", "prometheus"}
+    assert all(svc["network_mode"] == "host" for svc in services.values())
+    serve = _parse_pagedkv(services[CONTROL_PLANE])
+    assert serve.host == "127.0.0.1" and urlsplit(serve.worker_address).hostname == "127.0.0.1"
+    assert serve.model == str(model_dir) and serve.external_worker is True
+    assert _engine_config(_parse_pagedkv(_local()[CONTROL_PLANE]), build_parser()).model is None  # MODEL unset
+    worker = _parse_pagedkv(services["worker"])
+    assert worker.connect == serve.worker_address
+    assert "--web.listen-address=127.0.0.1:9090" in services["prometheus"]["command"]
+    # docker refuses published ports on the host network: none may come from docker-compose.yml
+    assert not any(svc.get("ports") for svc in services.values())
+
+
+def test_local_prometheus_resolves_the_scrape_target_to_loopback():
+    prom = _local()["prometheus"]
+    targets = [t for job in _yaml(OPS / "prometheus.yml")["scrape_configs"]
+               for sc in job["static_configs"] for t in sc["targets"]]
+    hosts = dict(h.split(":") for h in prom["extra_hosts"])
+    assert all(hosts[t.split(":")[0]] == "127.0.0.1" for t in targets)
+    assert _mounts(prom)["/etc/prometheus/prometheus.yml"] == "./ops/prometheus.yml"
+
+
+def test_local_override_builds_on_the_local_base_with_torch_from_a_wheelhouse():
+    services = _local({"WHEELHOUSE_URL": "http://127.0.0.1:8765/"})
+    for name in (CONTROL_PLANE, "worker"):
+        build = services[name]["build"]
+        assert (build["context"], build["dockerfile"], build["network"]) == (".", "ops/Dockerfile", "host")
+        assert build["args"] == {"BASE_IMAGE": "pagedkv-base:bookworm", "WHEELHOUSE_URL": "http://127.0.0.1:8765/"}
+        assert services[name]["image"] == "pagedkv:cpu"
+    prom = services["prometheus"]
+    assert prom["image"] == "pagedkv-prometheus:local" and "build" in prom
+    assert prom["build"]["args"]["BASE_IMAGE"] == "pagedkv-base:bookworm"
+    assert "apt-get install" in (ROOT / prom["build"]["context"] / prom["build"]["dockerfile"]).read_text()
+    # no collector runs beside the local stack: tracing is off, by a value the engine accepts
+    assert services[CONTROL_PLANE]["environment"]["OTEL_TRACES_EXPORTER"] in EXPORTERS
+
+
 # ---- images and build --------------------------------------------------------------------------
 
 def test_every_image_is_pinned_to_a_version():
@@ -207,6 +285,58 @@ def test_dockerfile_defaults_to_a_pinned_cpu_build_and_builds_the_packages_it_ne
     for name in ("control-plane", "worker", "worker-gpu"):
         build = _compose()["services"][name]["build"]
         assert (build["context"], build["dockerfile"]) == (".", "ops/Dockerfile")
+
+
+def _dockerfile_args(path: Path) -> set[str]:
+    return set(re.findall(r"^ARG (\w+)", path.read_text(), re.M))
+
+
+def test_every_build_arg_the_compose_files_pass_is_declared_in_its_dockerfile():
+    services = {**_compose()["services"], **{f"{k} (local)": v for k, v in _local().items()}}
+    checked = 0
+    for name, svc in services.items():
+        build = svc.get("build")
+        if not build:
+            continue
+        dockerfile = ROOT / build["context"] / build["dockerfile"]
+        undeclared = set(build.get("args", {})) - _dockerfile_args(dockerfile)
+        assert not undeclared, f"{name}: {sorted(undeclared)} not an ARG of {dockerfile.name}"
+        checked += len(build.get("args", {}))
+    assert checked >= 5  # worker-gpu's two, and BASE_IMAGE / WHEELHOUSE_URL in the local override
+
+
+def test_dockerfile_installs_torch_from_its_own_source_before_the_dependencies():
+    text = (OPS / "Dockerfile").read_text()
+    torch_from_index = text.index('pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"')
+    torch_from_folder = text.index('pip install --no-index --find-links "${WHEELHOUSE_URL}" "torch==${TORCH_VERSION}"')
+    deps = text.index("-r /tmp/requirements.txt")
+    assert max(torch_from_index, torch_from_folder) < deps < text.index("--no-deps .")
+    assert "python3 -m venv /opt/venv" in text and "PATH=/opt/venv/bin:$PATH" in text
+
+
+def test_dependency_layer_installs_pyproject_dependencies_except_torch_and_triton(tmp_path: Path):
+    # run the Dockerfile's own filter on the real pyproject.toml: the CPU image must not pull
+    # PyPI's torch (a CUDA build) or Triton (it ships CUPTI and ptxas)
+    text = (OPS / "Dockerfile").read_text()
+    script = re.search(r"RUN python -c '(.*?)' \\\n\s*> /tmp/requirements.txt", text, re.S).group(1)
+    (tmp_path / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())
+    out = subprocess.run([sys.executable, "-c", script.replace("\\\n", "")], cwd=tmp_path,
+                         capture_output=True, text=True, check=True).stdout.split("\n")
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert [d for d in out if d] == [d for d in deps if not d.startswith(("torch", "triton"))]
+    assert any(d.startswith("triton") for d in deps)  # the filter has something to drop
+
+
+def test_compose_files_use_only_interpolation_that_docker_compose_1_reads():
+    # Debian bookworm ships docker-compose 1.29, which rejects ${VAR:+alt} and ${VAR+alt}
+    for path in (ROOT / "docker-compose.yml", DEFAULT_OVERRIDE, LOCAL_OVERRIDE):
+        for m in _VAR.finditer(path.read_text()):
+            assert m.group(3) in (None, ":-", "-"), f"{path.name}: {m.group(0)}"
+
+
+def test_ops_shell_scripts_parse():
+    for script in ("build_base_image.sh", "compose_check.sh"):
+        subprocess.run(["bash", "-n", str(OPS / script)], check=True)
 
 
 def test_dockerignore_keeps_checkpoints_and_git_out_of_the_build_context():
@@ -287,6 +417,15 @@ def test_every_metric_the_dashboard_queries_exists_in_the_engine():
     assert queried <= exported, sorted(queried - exported)
 
 
+def test_every_series_the_dashboard_queries_is_exported_before_any_request():
+    # Prometheus has a series only once the engine exports it: a fresh engine exports them all (zeros)
+    text = generate_latest(Metrics("x").registry).decode()
+    exported = set(re.findall(r"^(pagedkv:[A-Za-z0-9_:]+)\{", text, re.M))
+    queried = {m for e in _dashboard_exprs() for m in re.findall(r"pagedkv:[A-Za-z0-9_:]+", e)}
+    assert queried <= exported, sorted(queried - exported)
+    assert 'pagedkv:num_preemptions_total{mode="recompute",model_name="x"} 0.0' in text
+
+
 def test_dashboard_shows_the_serving_essentials():
     exprs = "\n".join(_dashboard_exprs())
     for needed in ("pagedkv:kv_cache_usage_perc", "pagedkv:num_requests_running", "pagedkv:num_requests_waiting",
@@ -295,11 +434,12 @@ def test_dashboard_shows_the_serving_essentials():
     assert re.search(r"sum by \(mode\) \(rate\(pagedkv:num_preemptions_total", exprs)
     for hist in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
         assert re.search(rf"histogram_quantile\(0\.\d+, sum by \(le\) \(rate\(pagedkv:{hist}_bucket", exprs), hist
-    # the preemption counter really carries the `mode` label the panel groups by
+    # the preemption counter really carries the `mode` label the panel groups by, both modes from the start
     m = Metrics("x")
     m.on_preemption("swap")
-    samples = [s for f in m.registry.collect() if f.name == "pagedkv:num_preemptions" for s in f.samples]
-    assert samples and all(s.labels.get("mode") == "swap" for s in samples)
+    totals = {s.labels["mode"]: s.value for f in m.registry.collect() if f.name == "pagedkv:num_preemptions"
+              for s in f.samples if s.name == "pagedkv:num_preemptions_total"}
+    assert totals == {"recompute": 0.0, "swap": 1.0}
 
 
 def test_grafana_provisions_the_prometheus_datasource_and_the_dashboard():

@@ -97,12 +97,17 @@ if [ "${WHEELHOUSE:-1}" = 1 ]; then
     torch_version=$(sed -n 's/^ARG TORCH_VERSION=//p' ops/Dockerfile)
     python3 -c 'import re, tomllib; deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
 print("\n".join(d for d in deps if re.match(r"[\w.-]+", d).group().lower() not in ("torch", "triton")))' >"$WORK/requirements.txt"
-    wheels=${WHEELHOUSE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/pagedkv/wheelhouse}  # kept: a rerun downloads nothing
+    wheels=${WHEELHOUSE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/pagedkv/wheelhouse}  # kept between runs
     mkdir -p "$wheels"
-    python3 -m pip download --dest "$wheels" --only-binary=:all: --python-version 3.11 \
-        "torch==$torch_version+cpu" -r "$WORK/requirements.txt" "setuptools>=68" >"$WORK/wheelhouse.log" 2>&1 \
-        || { grep -v 'is ignored' "$WORK/wheelhouse.log" | tail -20
-             fail "pip download (torch $torch_version+cpu: add PyTorch's CPU index with PIP_EXTRA_INDEX_URL where pip has no CPU wheel)"; }
+    echo "torch==$torch_version+cpu" >>"$WORK/requirements.txt"
+    # the same requirements as the last run that completed: nothing to resolve or download
+    if ! cmp -s "$WORK/requirements.txt" "$wheels/.requirements.txt"; then
+        python3 -m pip download --dest "$wheels" --only-binary=:all: --python-version 3.11 \
+            -r "$WORK/requirements.txt" "setuptools>=68" >"$WORK/wheelhouse.log" 2>&1 \
+            || { grep -v 'is ignored' "$WORK/wheelhouse.log" | tail -20
+                 fail "pip download (torch $torch_version+cpu: add PyTorch's CPU index with PIP_EXTRA_INDEX_URL where pip has no CPU wheel)"; }
+        cp "$WORK/requirements.txt" "$wheels/.requirements.txt"
+    fi
     say "   $wheels: $(ls "$wheels" | wc -l) wheels, $(du -sh "$wheels" | cut -f1), $(cd "$wheels" && ls torch-*.whl)"
     port=${WHEEL_PORT:-8765}
     python3 -m http.server --bind 127.0.0.1 --directory "$wheels" "$port" >"$WORK/wheels-http.log" 2>&1 &

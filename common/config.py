@@ -7,6 +7,7 @@ to workers unchanged. Nothing here imports torch.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 
@@ -104,17 +105,32 @@ class ModelConfig(msgspec.Struct, frozen=True):
     def load(cls, path: str | None) -> "ModelConfig":
         """Read ``PATH/config.json`` (or a config.json file path); None gives the embedded default.
 
-        Raises FileNotFoundError when there is no config.json, ValueError when it is not Llama-family.
+        ``eos_token_ids`` joins config.json's and generation_config.json's. Raises FileNotFoundError
+        when there is no config.json, ValueError naming the file when it is not valid JSON or not
+        Llama-family.
         """
         if path is None:
             return cls.from_hf_dict(EMBEDDED_HF_CONFIG, EMBEDDED_MODEL_NAME, None)
         file = path if path.endswith(".json") else os.path.join(path, "config.json")
         if not os.path.isfile(file):
             raise FileNotFoundError(f"no config.json at {file!r}: --model must be a Hugging Face checkpoint directory")
-        with open(file) as f:
-            hf = json.load(f)
+        hf = read_json(file)
+        if not isinstance(hf, dict):
+            raise ValueError(f"{file}: not a JSON object")
         model_dir = os.path.dirname(os.path.abspath(file))
-        return cls.from_hf_dict(hf, os.path.basename(model_dir.rstrip("/")), model_dir)
+        # generation_config.json may name more end-of-sequence ids (Llama 3 instruct): they end
+        # generation too, so the tokenizer and the worker's min_tokens mask see the same list.
+        gen = read_json(os.path.join(model_dir, "generation_config.json")) if file.endswith("config.json") else {}
+        gen_eos = gen.get("eos_token_id") if isinstance(gen, dict) else None
+        eos = hf.get("eos_token_id")
+        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        for e in [gen_eos] if isinstance(gen_eos, int) else (gen_eos or []):
+            if e not in eos:
+                eos.append(e)
+        try:
+            return cls.from_hf_dict({**hf, "eos_token_id": eos}, os.path.basename(model_dir.rstrip("/")), model_dir)
+        except ValueError as e:
+            raise ValueError(f"{file}: {e}") from None
 
     def kv_bytes_per_token(self, kv_dtype: str) -> int:
         """Bytes of K and V state one token occupies across all layers (2 x layers x kv heads x head_dim x dtype)."""
@@ -163,6 +179,27 @@ class EngineConfig(msgspec.Struct):
     preemption_mode: str = "auto"  # recompute | swap | auto (cheaper per victim; scheduler.preemption)
     scheduling_policy: str = "fcfs"  # fcfs | priority (lower ``priority`` value first, as vLLM)
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP traces URL; tracing also follows OTEL_* variables
+    served_model_name: list[str] = []  # names the API answers to (the first in responses); []: the model's
+    chat_template: str | None = None  # a jinja2 chat template overriding the checkpoint's (--chat-template)
+
+
+def read_json(path: str):
+    """Parse a JSON file; {} when it does not exist. Raises ValueError naming the file when it is not JSON."""
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: invalid JSON: {e}") from None
+
+
+def weight_files(model_dir: str) -> list[str]:
+    """The checkpoint's ``*.safetensors`` files, sorted. Raises FileNotFoundError naming the directory when none."""
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights (use --load-format dummy for random weights)")
+    return files
 
 
 def resolve_max_model_len(model: ModelConfig, requested: int | None) -> int:

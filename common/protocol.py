@@ -27,7 +27,7 @@ import msgspec
 from pagedkv.common.config import EngineConfig
 from pagedkv.common.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: prompt logprobs; logit_bias, min_tokens in SamplingParams
 
 
 class NewRequestData(msgspec.Struct, array_like=True):
@@ -98,15 +98,34 @@ class SampledToken(msgspec.Struct, array_like=True):
     top_logprobs: list[tuple[int, float]] | None = None
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True):
+    """Log-probabilities of a run of prompt tokens, from the logits of this step's prefill chunk.
+
+    Entry i is about prompt token ``start + i`` (start >= 1: the first token has no context):
+    ``logprobs[i]`` its log-probability given the tokens before it, ``ranks[i]`` its 1-based rank
+    in that distribution, ``top_logprobs[i]`` the ``prompt_logprobs`` most likely (token_id,
+    logprob) pairs, most likely first.
+    """
+
+    request_id: str
+    start: int
+    logprobs: list[float]
+    ranks: list[int]
+    top_logprobs: list[list[tuple[int, float]]]
+
+
 class StepResult(msgspec.Struct, tag="result"):
     """The outcome of one StepPlan: a token for every request whose scheduled tokens reached its end.
 
+    prompt_logprobs: for requests that asked (``SamplingParams.prompt_logprobs``), the prompt tokens
+    this step's forward covered.
     forward_seconds: wall time of swaps, copies, forward and sampling on the worker (seconds).
     error: set when the step failed; the control plane then fails the requests in flight.
     """
 
     step_id: int
     sampled: list[SampledToken] = []
+    prompt_logprobs: list[PromptLogprobs] = []
     forward_seconds: float = 0.0
     error: str | None = None
 

@@ -20,8 +20,13 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     presence_penalty and frequency_penalty in [-2, 2] (output tokens only, as OpenAI).
     max_tokens: output tokens at most. logprobs: None, or how many top alternatives to return
     with each sampled token's own log-probability (0 = only the sampled token's).
-    stop: strings that end the output (never included); stop_token_ids: token ids that end it
-    (the token is not included in the text). ignore_eos: keep going past the model's EOS.
+    stop: strings that end the output; stop_token_ids: token ids that end it; neither is in the
+    text unless include_stop_str_in_output. ignore_eos: keep going past the model's EOS.
+    min_tokens: output tokens before EOS, a stop token or a stop string may end it (vLLM).
+    logit_bias: token id -> value in [-100, 100] added to its logit before sampling (OpenAI).
+    prompt_logprobs: None, or how many top alternatives to return with each prompt token's own
+    log-probability (vLLM; the first prompt token has none). Computed in the prefill's forward, so
+    such a request does not reuse prefix-cache blocks (a cached block has no fresh logits).
     n: completions per prompt; use_beam_search/length_penalty/early_stopping: beam search.
     """
 
@@ -38,6 +43,10 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     stop: list[str] = []
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] = {}
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     n: int = 1
     use_beam_search: bool = False
@@ -78,6 +87,14 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
             bad("max_tokens", f"must be >= 1, got {self.max_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
             bad("logprobs", f"must be between 0 and {max_logprobs}, got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= max_logprobs:
+            bad("prompt_logprobs", f"must be between 0 and {max_logprobs}, got {self.prompt_logprobs}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            bad("min_tokens", f"must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        for token, bias in self.logit_bias.items():
+            finite(f"logit_bias.{token}", bias)
+            if not -100 <= bias <= 100:
+                bad(f"logit_bias.{token}", f"must be between -100 and 100, got {bias}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             bad("seed", f"must be in [0, 2**63), got {self.seed}")
         if any(not s for s in self.stop):
@@ -86,3 +103,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
             bad("n", f"must be between 1 and {max_n}, got {self.n}")
         if self.use_beam_search and self.n < 1:
             bad("n", "beam search needs a beam width n >= 1")
+        if self.use_beam_search:
+            for f in ("prompt_logprobs", "logit_bias", "min_tokens"):
+                if getattr(self, f):
+                    bad(f, "is not supported with beam search")

@@ -5,7 +5,9 @@ Routes (OpenAI API reference, vLLM's extra fields):
 - ``POST /v1/completions``, ``POST /v1/chat/completions``: JSON, or Server-Sent Events when
   ``stream`` is true (WHATWG HTML "Server-sent events": one ``data: {json}`` event per chunk,
   each followed by a blank line, then ``data: [DONE]``);
-- ``GET /v1/models``, ``GET /v1/models/{id}``: the one served model, with ``random_weights``;
+- ``GET /v1/models``, ``GET /v1/models/{id}``: the one served model, with ``max_model_len``,
+  ``supports_chat`` and ``random_weights``;
+- ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``, ``GET /version``: as vLLM serves them;
 - ``GET /health`` (200 or 503), ``GET /metrics`` (Prometheus text), ``GET /kv_cache`` (the block
   pool and every live request's block table, `Engine.kv_cache_snapshot`).
 
@@ -67,6 +69,11 @@ def _from_value_error(e: ValueError) -> APIError:
 def _from_validation_error(e: msgspec.ValidationError) -> APIError:
     """msgspec says "Expected `float | null`, got `str` - at `$.temperature`"; name the field."""
     msg = str(e)
+    if unknown := re.match(r"Object contains unknown field `([^`]*)`(?: - at `\$\.?(.*)`)?$", msg):
+        field, at = unknown.group(1), unknown.group(2)
+        param = f"{at}.{field}" if at else field
+        return APIError(400, f"{param}: unrecognized request argument (not part of the API, or not supported by "
+                             "pagedkv)", param)
     m = re.search(r" - at `\$\.?(.*)`$", msg)
     if m is None:  # the body itself: wrong top-level type, or a missing required field
         missing = re.search(r"missing required field `(\w+)`", msg)
@@ -104,12 +111,22 @@ async def _errors(request: web.Request, handler):
 
 # ---- request bodies (OpenAI names; vLLM extras) ----------------------------------------------
 
-class StreamOptions(msgspec.Struct):
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    """``include_usage``: a last chunk with the usage; ``continuous_usage_stats`` (vLLM): every chunk
+    carries the usage so far; ``include_obfuscation`` (OpenAI's padding): only false."""
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    include_obfuscation: bool = False
 
 
-class _SamplingFields(msgspec.Struct):
-    """Fields shared by completions and chat completions. None means "the default"."""
+class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True):
+    """Fields shared by completions and chat completions. None means "the default".
+
+    Every field is honoured or refused: a field this struct does not declare gets 400 naming it
+    (OpenAI answers "Unrecognized request argument supplied" too), and a declared field pagedkv
+    does not implement is accepted only at its neutral value (`_UNSUPPORTED`).
+    """
 
     model: str | None = None
     temperature: float | None = None
@@ -123,11 +140,14 @@ class _SamplingFields(msgspec.Struct):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = None
     skip_special_tokens: bool = True
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = None  # logged with the request id (OpenAI: an end-user id for abuse monitoring)
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool = False
@@ -138,12 +158,17 @@ class _SamplingFields(msgspec.Struct):
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions. ``prompt``: a string, a list of strings, a list of token ids, or a
     list of token-id lists. ``logprobs``: how many top alternatives per token (0..max_logprobs).
-    ``echo``: the prompt text comes first in each choice (prompt tokens get no logprobs)."""
+    ``echo``: the prompt comes first in each choice, and with ``logprobs`` its tokens' logprobs
+    too (None for the first); ``max_tokens`` 0 with echo scores the prompt only (as vLLM).
+    ``prompt_logprobs`` (vLLM): the prompt tokens' logprobs with that many alternatives."""
 
     prompt: str | list[str | int | list[int]] | None = None
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    prompt_logprobs: int | None = None
+    best_of: int | None = None  # only n: no server-side best-of selection
+    suffix: str | None = None  # insertion (fill-in-the-middle) is not implemented
 
 
 class ContentPart(msgspec.Struct):
@@ -166,7 +191,44 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    safety_identifier: str | None = None  # logged as ``user`` is
+    # OpenAI fields for features pagedkv does not have: accepted only at their neutral value
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    store: Any = None
+    metadata: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    service_tier: Any = None
+    web_search_options: Any = None
+    verbosity: Any = None
+    prompt_cache_key: Any = None
+    prompt_cache_retention: Any = None
     add_generation_prompt: bool = True
+
+
+class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """POST /tokenize (vLLM): ``prompt`` text, or chat ``messages`` rendered with the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (vLLM)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """POST /detokenize (vLLM): token ids to text."""
+
+    tokens: list[int]
+    model: str | None = None
 
 
 async def _decode_body(request: web.Request, cls: type[msgspec.Struct]):
@@ -185,7 +247,8 @@ async def _decode_body(request: web.Request, cls: type[msgspec.Struct]):
 
 # ---- shared request handling ----------------------------------------------------------------
 
-def _sampling_params(req: _SamplingFields, engine, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _sampling_params(req: _SamplingFields, engine, *, max_tokens: int, logprobs: int | None,
+                     prompt_logprobs: int | None = None) -> SamplingParams:
     """Build and validate SamplingParams; raises APIError naming the first invalid field."""
     def pick(value, default):
         return default if value is None else value
@@ -196,7 +259,9 @@ def _sampling_params(req: _SamplingFields, engine, *, max_tokens: int, logprobs:
         min_p=pick(req.min_p, 0.0), repetition_penalty=pick(req.repetition_penalty, 1.0),
         presence_penalty=pick(req.presence_penalty, 0.0), frequency_penalty=pick(req.frequency_penalty, 0.0),
         seed=req.seed, max_tokens=max_tokens, logprobs=logprobs, stop=stop,
-        stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
+        stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        logit_bias=_logit_bias(req, engine.model_config.vocab_size), prompt_logprobs=prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens, n=req.n, use_beam_search=req.use_beam_search,
         length_penalty=req.length_penalty, early_stopping=req.early_stopping)
     try:
@@ -209,14 +274,67 @@ def _sampling_params(req: _SamplingFields, engine, *, max_tokens: int, logprobs:
     return params
 
 
-def _check_common(req: _SamplingFields, engine) -> None:
-    if req.model is not None and req.model not in _model_names(engine):
-        raise APIError(404, f"The model `{req.model}` does not exist.", "model", code="model_not_found")
+# field -> (is this value neutral?, what pagedkv lacks). A neutral value is what the field means
+# when absent, so accepting it honours the request; anything else is refused, never ignored.
+_UNSUPPORTED = {
+    "suffix": (lambda v, r: not v, "insertion (fill-in-the-middle) is not supported"),
+    "best_of": (lambda v, r: v is None or v == r.n, "best_of other than n is not supported"),
+    "tools": (lambda v, r: not v, "tool calling is not supported"),
+    "tool_choice": (lambda v, r: v in (None, "none"), "tool calling is not supported"),
+    "parallel_tool_calls": (lambda v, r: v is None, "tool calling is not supported"),
+    "functions": (lambda v, r: not v, "function calling is not supported"),
+    "function_call": (lambda v, r: v in (None, "none"), "function calling is not supported"),
+    "response_format": (lambda v, r: v is None or v == {"type": "text"},
+                        "only {\"type\": \"text\"} is supported (no JSON mode or structured outputs)"),
+    "store": (lambda v, r: not v, "stored completions are not supported"),
+    "metadata": (lambda v, r: not v, "metadata (for stored completions) is not supported"),
+    "modalities": (lambda v, r: v in (None, ["text"]), "only the text modality is supported"),
+    "audio": (lambda v, r: v is None, "audio output is not supported"),
+    "prediction": (lambda v, r: v is None, "predicted outputs are not supported"),
+    "reasoning_effort": (lambda v, r: v is None, "this is not a reasoning model"),
+    "service_tier": (lambda v, r: v in (None, "auto", "default"), "only the default service tier exists"),
+    "web_search_options": (lambda v, r: v is None, "web search is not supported"),
+    "verbosity": (lambda v, r: v is None, "verbosity is not supported"),
+    "prompt_cache_key": (lambda v, r: v is None, "use cache_salt (pagedkv's prefix-cache isolation key)"),
+    "prompt_cache_retention": (lambda v, r: v is None, "prefix-cache retention is not configurable per request"),
+}
+
+
+def _check_common(req: _SamplingFields, engine, request_id: str) -> None:
+    """Model, stream_options, refusals of unsupported values; logs ``user`` / ``safety_identifier``."""
+    _check_model(req.model, engine)
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options: only allowed when stream is true", "stream_options")
+    if req.stream_options is not None and req.stream_options.include_obfuscation:
+        raise APIError(400, "stream_options.include_obfuscation: not supported (chunks are not padded)",
+                       "stream_options.include_obfuscation")
+    for field, (neutral, why) in _UNSUPPORTED.items():
+        if hasattr(req, field) and not neutral(getattr(req, field), req):
+            raise APIError(400, f"{field}: {why}", field)
+    user = req.user or getattr(req, "safety_identifier", None)
+    if user is not None:
+        log.info("request from user", request_id=request_id, user=user)
+
+
+def _logit_bias(req: _SamplingFields, vocab: int) -> dict[int, float]:
+    """OpenAI's logit_bias ({"token id": bias}) with int keys; raises APIError naming a bad key."""
+    bias = {}
+    for key, value in (req.logit_bias or {}).items():
+        if not re.fullmatch(r"\d+", key) or int(key) >= vocab:
+            raise APIError(400, f"logit_bias: key {key!r} is not a token id in [0, {vocab})", "logit_bias")
+        bias[int(key)] = value
+    return bias
+
+
+def _check_model(model: str | None, engine) -> None:
+    if model is not None and model not in _model_names(engine):
+        raise APIError(404, f"The model `{model}` does not exist.", "model", code="model_not_found")
 
 
 def _model_names(engine) -> set[str]:
+    """Names a request's ``model`` may use: --served-model-name's, else the model's name and path."""
+    if engine.config.served_model_name:
+        return set(engine.config.served_model_name)
     names = {engine.model_config.name}
     if engine.config.model:
         names.add(engine.config.model)
@@ -226,13 +344,14 @@ def _model_names(engine) -> set[str]:
 class _Choice:
     """What one choice accumulated: text, tokens, logprobs, finish reason."""
 
-    __slots__ = ("text", "token_ids", "logprobs", "finish_reason", "error", "num_output_tokens")
+    __slots__ = ("text", "token_ids", "logprobs", "finish_reason", "stop_reason", "error", "num_output_tokens")
 
     def __init__(self):
         self.text: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list = []
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
         self.error: str | None = None
         self.num_output_tokens = 0
 
@@ -251,6 +370,7 @@ class _Generation:
         self.iterators: list[AsyncIterator] = []
         self.prompt_tokens = [len(p) for p in prompts]
         self.cached_tokens = [0] * len(prompts)
+        self.prompt_logprobs: list[list | None] = [None] * len(prompts)  # per prompt, once its prefill ran
         self.choices = [_Choice() for _ in range(len(prompts) * params.n)]
         self._pumps: list[asyncio.Task] = []
         try:
@@ -296,15 +416,18 @@ class _Generation:
         if out.logprobs:
             c.logprobs.extend(out.logprobs)
         c.num_output_tokens = out.num_output_tokens
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs[prompt_index] = out.prompt_logprobs
         if out.finish_reason is not None:
-            c.finish_reason, c.error = out.finish_reason, out.error
+            c.finish_reason, c.stop_reason, c.error = out.finish_reason, out.stop_reason, out.error
         self.prompt_tokens[prompt_index] = out.num_prompt_tokens
         self.cached_tokens[prompt_index] = max(self.cached_tokens[prompt_index], out.num_cached_tokens)
         return idx
 
-    def usage(self) -> dict:
+    def usage(self, count_completion: bool = True) -> dict:
+        """OpenAI's usage; count_completion False: the outputs were not returned (echo, max_tokens 0)."""
         prompt = sum(self.prompt_tokens)
-        completion = sum(c.num_output_tokens for c in self.choices)
+        completion = sum(c.num_output_tokens for c in self.choices) if count_completion else 0
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens)}}
 
@@ -354,18 +477,48 @@ def _generation_error(choices: list[_Choice]) -> str | None:
 
 # ---- logprobs formats -----------------------------------------------------------------------
 
-def _completion_logprobs(lps: list, text_offset: int) -> dict:
+def _legacy_entries(lps: list, k: int | None = None) -> list[tuple[str, float, dict]]:
+    """(token, logprob, alternatives) per engine TokenLogprob; alternatives: the top k and the token
+    itself (OpenAI always lists the chosen token)."""
+    entries = []
+    for lp in lps:
+        alternatives = {tok: val for _, tok, val in lp.top_logprobs[:k]}
+        alternatives.setdefault(lp.token, lp.logprob)
+        entries.append((lp.token, lp.logprob, alternatives))
+    return entries
+
+
+def _echo_entries(prompt_ids: list[int], prompt_logprobs: list | None, k: int, tokenizer) -> list[tuple]:
+    """The prompt's entries for echo: the first token has no logprob (nothing precedes it)."""
+    if prompt_logprobs is None or None in prompt_logprobs[1:]:  # the request ended before its prefill did
+        return []
+    return [(tokenizer.token_to_str(prompt_ids[0]), None, None)] + _legacy_entries(prompt_logprobs[1:], k)
+
+
+def _completion_logprobs(entries: list[tuple], text_offset: int) -> dict:
     """The legacy completions format: parallel lists tokens / token_logprobs / top_logprobs / text_offset."""
     tokens, token_logprobs, top, offsets = [], [], [], []
-    for lp in lps:
-        tokens.append(lp.token)
-        token_logprobs.append(lp.logprob)
-        alternatives = {tok: val for _, tok, val in lp.top_logprobs}
-        alternatives.setdefault(lp.token, lp.logprob)  # OpenAI: the chosen token is always listed
+    for token, logprob, alternatives in entries:
+        tokens.append(token)
+        token_logprobs.append(logprob)
         top.append(alternatives)
         offsets.append(text_offset)
-        text_offset += len(lp.token)
+        text_offset += len(token)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def _vllm_prompt_logprobs(prompt_logprobs: list | None, k: int) -> list | None:
+    """vLLM's ``prompt_logprobs``: None for the first token, then {token id: {logprob, rank,
+    decoded_token}} holding the prompt token and the top k."""
+    if prompt_logprobs is None or None in prompt_logprobs[1:]:  # the request ended before its prefill did
+        return None
+    out: list = [None]
+    for lp in prompt_logprobs[1:]:
+        d = {str(lp.token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.token}}
+        for rank, (tid, tok, val) in enumerate(lp.top_logprobs[:k], start=1):
+            d.setdefault(str(tid), {"logprob": val, "rank": rank, "decoded_token": tok})
+        out.append(d)
+    return out
 
 
 def _token_bytes(token: str) -> list[int]:
@@ -411,16 +564,52 @@ def _prompt_token_lists(req: CompletionRequest, tokenizer) -> tuple[list[list[in
     return ids, texts
 
 
-def _chunk_builder(request_id: str, obj: str, created: int, model: str, include_usage: bool):
-    """Builds SSE chunk bodies; with ``stream_options.include_usage`` each carries ``usage`` (null until the last)."""
+def _render_chat(engine, messages: list[ChatMessage] | None, add_generation_prompt: bool,
+                 add_special_tokens: bool = False) -> list[int]:
+    """Token ids of ``messages`` rendered with the chat template. Raises APIError 400 naming the field."""
+    if not messages:
+        raise APIError(400, "messages: must be a non-empty list", "messages")
+    if engine.tokenizer.chat_template is None:
+        raise APIError(400, f"messages: model {engine.served_model_names[0]!r} has no chat template; start the "
+                            "server with --chat-template, or use /v1/completions", "messages")
+    rendered = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):
+            if any(p.type != "text" or p.text is None for p in content):
+                raise APIError(400, f"messages[{i}].content: only text content parts are supported",
+                               f"messages[{i}].content")
+            content = "\n".join(p.text for p in content)
+        msg = {"role": m.role, "content": content}
+        if m.name is not None:
+            msg["name"] = m.name
+        rendered.append(msg)
+    try:
+        text = engine.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt)
+    except ValueError as e:
+        raise _from_value_error(e) from None
+    # The template writes BOS itself when the model wants one (transformers does the same).
+    prompt = engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    if not prompt:
+        raise APIError(400, "messages: the rendered prompt is empty", "messages")
+    return prompt
 
-    def chunk(choices: list, usage: dict | None = None) -> dict:
+
+def _chunk_builder(request_id: str, obj: str, created: int, model: str, options: StreamOptions | None, usage):
+    """Builds SSE chunk bodies. ``stream_options.include_usage``: each carries ``usage``, null until the
+    last, usage-only chunk; ``continuous_usage_stats``: each carries the usage so far (``usage()``)."""
+    include_usage = options is not None and options.include_usage
+    continuous = options is not None and options.continuous_usage_stats
+
+    def chunk(choices: list, final_usage: dict | None = None) -> dict:
         body = {"id": request_id, "object": obj, "created": created, "model": model, "choices": choices}
-        if include_usage:
-            body["usage"] = usage
+        if final_usage is not None or continuous:
+            body["usage"] = final_usage or usage()
+        elif include_usage:
+            body["usage"] = None
         return body
 
-    return chunk
+    return chunk, include_usage
 
 
 class _API:
@@ -437,57 +626,73 @@ class _API:
         return extra
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        """POST /v1/completions (OpenAI "Create completion")."""
+        """POST /v1/completions (OpenAI "Create completion"; vLLM's echo and prompt_logprobs)."""
         engine = self.engine
         req = await _decode_body(request, CompletionRequest)
-        _check_common(req, engine)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        _check_common(req, engine, request_id)
         prompts, prompt_texts = _prompt_token_lists(req, engine.tokenizer)
-        if req.max_tokens is None:
-            raise APIError(400, "max_tokens: must be an integer >= 1", "max_tokens")
-        params = _sampling_params(req, engine, max_tokens=req.max_tokens, logprobs=req.logprobs)
+        if req.max_tokens is None or req.max_tokens < (0 if req.echo else 1):
+            raise APIError(400, "max_tokens: must be an integer >= 1 (0 only with echo, to score the prompt)",
+                           "max_tokens")
+        # echo with max_tokens 0 scores the prompt only: one token is generated and dropped, as vLLM does
+        echo_only = req.echo and req.max_tokens == 0
+        echo_logprobs = req.logprobs if req.echo else None
+        wanted = [k for k in (req.prompt_logprobs, echo_logprobs) if k is not None]
+        params = _sampling_params(req, engine, max_tokens=max(req.max_tokens, 1), logprobs=req.logprobs,
+                                  prompt_logprobs=max(wanted) if wanted else None)
         if req.echo:
             prompt_texts = [t if t is not None else engine.tokenizer.decode(ids) for t, ids in zip(prompt_texts, prompts)]
-        request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         gen = _Generation(engine, prompts, params, request_id, self._extra(req, request))
-        model = engine.model_config.name
-        offsets = [len(prompt_texts[i // params.n]) if req.echo else 0 for i in range(len(gen.choices))]
+        model = engine.served_model_names[0]
+        offsets = [0] * len(gen.choices)
 
-        def logprobs_of(idx: int, lps) -> dict | None:
-            if req.logprobs is None:
-                return None
-            out = _completion_logprobs(lps, offsets[idx])
-            offsets[idx] += sum(len(lp.token) for lp in lps)
-            return out
+        def piece(idx: int, text: str, lps: list, first: bool, finish_reason, stop_reason) -> dict:
+            """One choice's text, logprobs and finish; ``first``: the prompt goes first (echo)."""
+            p = idx // params.n
+            entries = [] if echo_only else _legacy_entries(lps)
+            if echo_only:
+                text, stop_reason = "", None
+                finish_reason = "length" if finish_reason in ("stop", "length") else finish_reason
+            if first and req.echo:
+                text = prompt_texts[p] + text
+                if echo_logprobs is not None:
+                    entries = _echo_entries(prompts[p], gen.prompt_logprobs[p], echo_logprobs,
+                                            engine.tokenizer) + entries
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = _completion_logprobs(entries, offsets[idx])
+                offsets[idx] += sum(len(e[0]) for e in entries)
+            choice = {"index": idx, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+                      "stop_reason": stop_reason}
+            if first and req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = _vllm_prompt_logprobs(gen.prompt_logprobs[p], req.prompt_logprobs)
+            return choice
 
         if not req.stream:
             await gen.run_to_end()
-            choices = [{"index": i,
-                        "text": (prompt_texts[i // params.n] if req.echo else "") + "".join(c.text),
-                        "logprobs": logprobs_of(i, c.logprobs), "finish_reason": c.finish_reason,
-                        "stop_reason": None}
+            choices = [piece(i, "".join(c.text), c.logprobs, True, c.finish_reason, c.stop_reason)
                        for i, c in enumerate(gen.choices)]
             return _json({"id": request_id, "object": "text_completion", "created": created, "model": model,
-                          "choices": choices, "usage": gen.usage()})
+                          "choices": choices, "usage": gen.usage(not echo_only)})
 
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
-        chunk = _chunk_builder(request_id, "text_completion", created, model, include_usage)
+        chunk, include_usage = _chunk_builder(request_id, "text_completion", created, model, req.stream_options,
+                                              lambda: gen.usage(not echo_only))
 
         async def events() -> AsyncIterator[bytes]:
-            if req.echo:
-                for i in range(len(gen.choices)):
-                    yield _sse(chunk([{"index": i, "text": prompt_texts[i // params.n], "logprobs": None,
-                                       "finish_reason": None}]))
+            started: set[int] = set()
             async for idx, out in gen.outputs():
                 if out.finish_reason == "error":
                     yield _sse(APIError(500, out.error or "generation failed", type="server_error").body())
                     return
-                if out.text or out.logprobs or out.finish_reason:
-                    yield _sse(chunk([{"index": idx, "text": out.text,
-                                       "logprobs": logprobs_of(idx, out.logprobs or []),
-                                       "finish_reason": out.finish_reason}]))
+                first = idx not in started
+                started.add(idx)
+                if first or out.text or out.logprobs or out.finish_reason:
+                    yield _sse(chunk([piece(idx, out.text, out.logprobs or [], first, out.finish_reason,
+                                            out.stop_reason)]))
             if include_usage:
-                yield _sse(chunk([], gen.usage()))
+                yield _sse(chunk([], gen.usage(not echo_only)))
 
         return await _stream(request, gen, events())
 
@@ -495,32 +700,9 @@ class _API:
         """POST /v1/chat/completions (OpenAI "Create chat completion"), via the model's chat template."""
         engine = self.engine
         req = await _decode_body(request, ChatCompletionRequest)
-        _check_common(req, engine)
-        if not req.messages:
-            raise APIError(400, "messages: must be a non-empty list", "messages")
-        if engine.tokenizer.chat_template is None:
-            raise APIError(400, f"messages: model {engine.model_config.name!r} has no chat template; "
-                                "use /v1/completions", "messages")
-        messages = []
-        for i, m in enumerate(req.messages):
-            content = m.content
-            if isinstance(content, list):
-                if any(p.type != "text" or p.text is None for p in content):
-                    raise APIError(400, f"messages[{i}].content: only text content parts are supported",
-                                   f"messages[{i}].content")
-                content = "\n".join(p.text for p in content)
-            msg = {"role": m.role, "content": content}
-            if m.name is not None:
-                msg["name"] = m.name
-            messages.append(msg)
-        try:
-            text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
-        except ValueError as e:
-            raise _from_value_error(e) from None
-        # The template writes BOS itself when the model wants one (transformers does the same).
-        prompt = engine.tokenizer.encode(text, add_special_tokens=False)
-        if not prompt:
-            raise APIError(400, "messages: the rendered prompt is empty", "messages")
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        _check_common(req, engine, request_id)
+        prompt = _render_chat(engine, req.messages, req.add_generation_prompt)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -530,22 +712,21 @@ class _API:
             max_tokens = max(room, 1)
         params = _sampling_params(req, engine, max_tokens=max_tokens,
                                   logprobs=(req.top_logprobs or 0) if req.logprobs else None)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         gen = _Generation(engine, [prompt], params, request_id, self._extra(req, request))
-        model = engine.model_config.name
+        model = engine.served_model_names[0]
 
         if not req.stream:
             await gen.run_to_end()
             choices = [{"index": i, "message": {"role": "assistant", "content": "".join(c.text)},
                         "logprobs": _chat_logprobs(c.logprobs) if req.logprobs else None,
-                        "finish_reason": c.finish_reason}
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                        for i, c in enumerate(gen.choices)]
             return _json({"id": request_id, "object": "chat.completion", "created": created, "model": model,
                           "choices": choices, "usage": gen.usage()})
 
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
-        chunk = _chunk_builder(request_id, "chat.completion.chunk", created, model, include_usage)
+        chunk, include_usage = _chunk_builder(request_id, "chat.completion.chunk", created, model,
+                                              req.stream_options, gen.usage)
 
         async def events() -> AsyncIterator[bytes]:
             for i in range(len(gen.choices)):  # OpenAI's first delta of each choice carries the role
@@ -558,11 +739,54 @@ class _API:
                 if out.text or out.logprobs or out.finish_reason:
                     yield _sse(chunk([{"index": idx, "delta": {"content": out.text} if out.text else {},
                                        "logprobs": _chat_logprobs(out.logprobs or []) if req.logprobs else None,
-                                       "finish_reason": out.finish_reason}]))
+                                       "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}]))
             if include_usage:
                 yield _sse(chunk([], gen.usage()))
 
         return await _stream(request, gen, events())
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """POST /tokenize (vLLM): {count, max_model_len, tokens, token_strs}."""
+        engine = self.engine
+        req = await _decode_body(request, TokenizeRequest)
+        _check_model(req.model, engine)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "prompt: give exactly one of prompt and messages", "prompt")
+        if req.prompt is not None:
+            add = True if req.add_special_tokens is None else req.add_special_tokens
+            tokens = engine.tokenizer.encode(req.prompt, add_special_tokens=add)
+        else:
+            tokens = _render_chat(engine, req.messages, req.add_generation_prompt, bool(req.add_special_tokens))
+        strs = [engine.tokenizer.token_to_str(t) for t in tokens] if req.return_token_strs else None
+        return _json({"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens,
+                      "token_strs": strs})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """POST /detokenize (vLLM): {prompt}, the text of ``tokens``."""
+        engine = self.engine
+        req = await _decode_body(request, DetokenizeRequest)
+        _check_model(req.model, engine)
+        vocab = engine.tokenizer.vocab_size
+        if bad := [t for t in req.tokens if not 0 <= t < vocab]:
+            raise APIError(400, f"tokens: id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
+        return _json({"prompt": engine.tokenizer.decode(req.tokens)})
+
+    async def tokenizer_info(self, request: web.Request) -> web.Response:
+        """GET /tokenizer_info (vLLM's --enable-tokenizer-info-endpoint): special tokens and the chat template.
+
+        lm-evaluation-harness's ``tokenizer_backend=remote`` reads it, then tokenizes through /tokenize.
+        """
+        tok = self.engine.tokenizer
+        return _json({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tok.bos_token,
+                      "eos_token": tok.eos_token, "bos_token_id": tok.bos_token_id,
+                      "eos_token_id": tok.eos_token_ids[0] if tok.eos_token_ids else None,
+                      "model_max_length": self.engine.max_model_len, "chat_template": tok.chat_template})
+
+    async def version(self, request: web.Request) -> web.Response:
+        """GET /version (vLLM): {version}."""
+        from pagedkv import __version__
+
+        return _json({"version": __version__})
 
     async def models(self, request: web.Request) -> web.Response:
         """GET /v1/models: the one served model; ``random_weights`` says whether its outputs are noise."""
@@ -576,9 +800,12 @@ class _API:
         return _json(self._model_card())
 
     def _model_card(self) -> dict:
+        """vLLM's card (id, root, max_model_len) plus ``supports_chat`` (a chat template is loaded:
+        /v1/chat/completions works) and ``random_weights``."""
         e = self.engine
-        card = {"id": e.model_config.name, "object": "model", "created": self.created, "owned_by": "pagedkv",
-                "root": e.model_config.path, "max_model_len": e.max_model_len, "random_weights": e.random_weights}
+        card = {"id": e.served_model_names[0], "object": "model", "created": self.created, "owned_by": "pagedkv",
+                "root": e.model_config.path, "max_model_len": e.max_model_len,
+                "supports_chat": e.tokenizer.chat_template is not None, "random_weights": e.random_weights}
         if e.random_weights:
             card["owned_by"] = "pagedkv (random weights)"
             card["description"] = ("This model runs on seeded random weights: its outputs are noise. "
@@ -631,6 +858,10 @@ def build_app(engine) -> web.Application:
     app.router.add_post("/v1/chat/completions", api.chat_completions)
     app.router.add_get("/v1/models", api.models)
     app.router.add_get("/v1/models/{id}", api.model)
+    app.router.add_post("/tokenize", api.tokenize)
+    app.router.add_post("/detokenize", api.detokenize)
+    app.router.add_get("/tokenizer_info", api.tokenizer_info)
+    app.router.add_get("/version", api.version)
     app.router.add_get("/health", api.health)
     app.router.add_get("/metrics", api.metrics)
     app.router.add_get("/kv_cache", api.kv_cache)

@@ -1,26 +1,32 @@
 """The ``pagedkv`` command: ``serve``, ``generate``, ``worker``, ``bench`` and ``capacity``.
 
-Flags use vLLM's names and meanings and map one to one onto `common.config.EngineConfig`. A bad
-value is an argparse error naming the flag (exit status 2). Logs go to stderr; `generate` prints
-completions on stdout. Nothing here imports torch: `pagedkv worker` imports the worker package
-inside its handler.
+Flags use vLLM's names and meanings and map one to one onto `common.config.EngineConfig`. Every
+user error is one line on stderr naming the flag or the file, before anything heavy starts: a bad
+flag value or checkpoint exits with status 2, a port already in use or a worker that fails with 1
+(``--log-level debug`` adds the traceback). `serve` binds its port before it reads the model.
+Logs go to stderr; `generate` prints completions on stdout. Nothing here imports torch: `pagedkv
+worker` imports the worker package inside its handler.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib
 import json
 import os
 import signal
+import socket
 import sys
+import traceback
 
-from pagedkv.common import capacity
-from pagedkv.common.config import EngineConfig, ModelConfig, resolve_max_model_len
-from pagedkv.common.log import configure_logging, get_logger
+# Nothing heavy at module level (not even msgspec): `serve` binds its port first (`main`).
 
-log = get_logger("pagedkv.cli")
+
+def configure_logging(fmt: str, level: str) -> None:
+    # structlog loads in ~0.4 s on a busy machine: not before `serve` holds its port
+    from pagedkv.common.log import configure_logging
+
+    configure_logging(fmt, level)
 
 
 # ---- argument types: each names its flag in the error ---------------------------------------
@@ -54,24 +60,82 @@ def _float_in(lo: float, hi: float | None = None, lo_open: bool = False):
     return parse
 
 
-def _model_dir(s: str) -> str | None:
-    if s == "":  # `--model=` (e.g. `--model=${MODEL:-}` in a compose file): the embedded model
-        return None
-    if not os.path.isfile(os.path.join(s, "config.json")):
-        raise argparse.ArgumentTypeError(f"{s!r} is not a Hugging Face checkpoint directory (no config.json)")
-    return os.path.abspath(s)
+_HelpFormatter = argparse.ArgumentDefaultsHelpFormatter  # --help shows every default
+
+
+class _Version(argparse.Action):
+    """--version, reading the installed version only when asked (importlib.metadata is slow to load)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from pagedkv import __version__
+
+        print(f"pagedkv {__version__}")
+        parser.exit(0)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``pagedkv serve: error: argument --port: ...``.
+
+    The usage block is printed only for a mistyped flag or a missing argument, where it helps.
+    """
+
+    def error(self, message: str):
+        if message.startswith(("unrecognized arguments", "the following arguments are required")):
+            self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _check_checkpoint(path: str, load_format: str, chat_template: str | None) -> tuple[ModelConfig, str | None]:
+    """Read what the control plane needs and check what the worker will: config.json, the
+    weights (unless dummy), tokenizer.json, the chat template. Returns the model config and the
+    template text. Raises ValueError or FileNotFoundError naming the file or flag."""
+    from pagedkv.common.config import ModelConfig, weight_files
+    from pagedkv.scheduler.tokenizer import Tokenizer, load_chat_template
+
+    if path is not None:
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"--model {path}: no such directory")
+        if not os.path.isdir(path):
+            raise ValueError(f"--model {path}: not a directory (give the Hugging Face checkpoint directory)")
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise FileNotFoundError(f"--model {path}: not a Hugging Face checkpoint directory (no config.json)")
+    model = ModelConfig.load(path)
+    if path is not None and load_format == "auto":
+        weight_files(model.path)
+    template = None
+    if chat_template is not None:
+        try:
+            template = load_chat_template(chat_template)
+        except ValueError as e:
+            raise ValueError(f"--chat-template: {e}") from None
+    Tokenizer.load(model, template)
+    return model, template
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    from pagedkv.common.config import EngineConfig
+
     d = EngineConfig()
     g = p.add_argument_group("model and engine")
-    g.add_argument("--model", type=_model_dir, default=None, metavar="PATH",
+    g.add_argument("--model", default=None, metavar="PATH",
                    help="Hugging Face Llama-family checkpoint directory (config.json, *.safetensors, tokenizer.json); "
+<<<<<<< HEAD
                         "default (or empty): a built-in small model with random weights and a byte-level tokenizer")
+=======
+                        "default: a built-in small model with random weights and a byte-level tokenizer")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="names the API answers to; the first is reported in responses (default: the "
+                        "checkpoint directory's name)")
+    g.add_argument("--chat-template", default=None, metavar="PATH_OR_STRING",
+                   help="jinja2 chat template (a file, or the template itself) replacing or supplying the "
+                        "checkpoint's; /v1/chat/completions needs one")
+>>>>>>> c85aea3 (Real clients work unchanged (issue 13): prompt logprobs and echo, every OpenAI field honoured or refused, --chat-template, the offline LLM API, a CLI that fails fast)
     g.add_argument("--load-format", choices=["auto", "dummy"], default=d.load_format,
                    help="dummy: seeded random weights for the checkpoint's config (benchmarks)")
-    g.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=d.dtype)
-    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default=d.device)
+    g.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=d.dtype,
+                   help="weights and activations; auto: the checkpoint's dtype on CUDA, float32 on CPU")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default=d.device,
+                   help="auto: CUDA when torch sees a GPU, else CPU")
     g.add_argument("--block-size", type=_int_in(1, 256, power_of_two=True), default=d.block_size,
                    help="tokens per KV block (power of two, 1..256)")
     g.add_argument("--num-gpu-blocks", type=_int_in(1), default=None,
@@ -119,23 +183,39 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "default: an ipc:// socket in the temp dir")
     g.add_argument("--external-worker", action="store_true",
                    help="do not spawn a worker: wait for `pagedkv worker --connect ADDR` (needs --worker-address)")
-    g.add_argument("--log-format", choices=["console", "json"], default="console")
-    g.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    _add_log_args(g)
+
+
+def _add_log_args(g) -> None:
+    g.add_argument("--log-format", choices=["console", "json"], default="console",
+                   help="console: for people; json: one object per line")
+    g.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info",
+                   help="debug also prints the traceback of a failure")
 
 
 def _engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> EngineConfig:
-    """EngineConfig from the flags; a flag whose value the model rules out is an argparse error."""
+    """EngineConfig from the flags, with the checkpoint checked (`_check_checkpoint`); a flag whose
+    value the model rules out, or a checkpoint that cannot load, is a one-line error naming it."""
+    from pagedkv.common.config import EngineConfig, resolve_max_model_len
+
     if args.external_worker and not args.worker_address:
         parser.error("--external-worker needs --worker-address (the address the worker will connect to)")
     if args.worker_address and not args.worker_address.startswith(("ipc://", "tcp://")):
         parser.error(f"--worker-address must start with ipc:// or tcp://, got {args.worker_address!r}")
+    positional = getattr(args, "model_tag", None)
+    if positional is not None and args.model is not None and positional != args.model:
+        parser.error(f"the model is given twice: {positional!r} and --model {args.model!r}")
+    path = positional or args.model or None  # `--model=` (`--model=${MODEL:-}` in compose): the embedded model
     try:
-        model = ModelConfig.load(args.model)
+        model, template = _check_checkpoint(path, args.load_format, args.chat_template)
         resolve_max_model_len(model, args.max_model_len)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
+        if args.log_level == "debug":
+            traceback.print_exc()
         parser.error(str(e))
     return EngineConfig(
-        model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device, seed=args.seed,
+        model=model.path, served_model_name=list(args.served_model_name or []), chat_template=template,
+        load_format=args.load_format, dtype=args.dtype, device=args.device, seed=args.seed,
         block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization, cpu_kv_cache_space=args.cpu_kv_cache_space,
         swap_space=args.swap_space, max_num_seqs=args.max_num_seqs,
@@ -149,6 +229,7 @@ def _engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
 
 def _run(coro) -> int:
     """Run on uvloop (the design's event loop); plain asyncio where uvloop is not installed."""
+    import asyncio  # not at module level: `serve` binds its port before the slow imports
     try:
         import uvloop
         factory = uvloop.new_event_loop
@@ -160,21 +241,36 @@ def _run(coro) -> int:
 
 # ---- serve ----------------------------------------------------------------------------------
 
-async def _serve(args: argparse.Namespace, config: EngineConfig) -> int:
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port, bound before anything else starts, so a port in use is
+    found in milliseconds, not after the model loads. Raises OSError naming the address."""
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        return socket.create_server(addr[:2], family=family, backlog=1024)
+    except OSError as e:
+        why = os.strerror(e.errno) if e.errno and e.errno > 0 else (e.strerror or str(e))  # not bind's decoration
+        raise OSError(f"--host {host} --port {port}: cannot listen: {why}") from None
+
+
+async def _serve(args: argparse.Namespace, config: EngineConfig, sock: socket.socket) -> int:
     from aiohttp import web
 
+    import asyncio
+
+    from pagedkv.common.log import get_logger
     from pagedkv.scheduler.api import build_app
     from pagedkv.scheduler.engine import Engine
 
+    log = get_logger("pagedkv.cli")
     engine = await Engine.start(config, worker_address=args.worker_address, external_worker=args.external_worker)
     runner = web.AppRunner(build_app(engine), handler_cancellation=True, access_log=None)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     try:
         await runner.setup()
-        site = web.TCPSite(runner, args.host, args.port)
+        site = web.SockSite(runner, sock)
         await site.start()
-        port = runner.addresses[0][1]  # the real port when --port 0 asked for any free one
+        port = sock.getsockname()[1]  # the real port when --port 0 asked for any free one
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         snap = engine.kv_cache_snapshot()
@@ -195,14 +291,20 @@ async def _serve(args: argparse.Namespace, config: EngineConfig) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    config = _engine_config(args, parser)
-    configure_logging(args.log_format, args.log_level)
-    return _run(_serve(args, config))
+    sock = args.listen_socket or _listen(args.host, args.port)
+    try:
+        config = _engine_config(args, parser)
+        configure_logging(args.log_format, args.log_level)
+        return _run(_serve(args, config, sock))
+    finally:
+        sock.close()
 
 
 # ---- generate -------------------------------------------------------------------------------
 
 async def _generate(args: argparse.Namespace, config: EngineConfig, prompts: list[str]) -> int:
+    import asyncio
+
     from pagedkv.common.sampling_params import SamplingParams
     from pagedkv.scheduler.engine import Engine
 
@@ -270,11 +372,12 @@ def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 # ---- bench ----------------------------------------------------------------------------------
 
 def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from pagedkv.common.config import ModelConfig, resolve_max_model_len
     from pagedkv.scheduler import bench
 
     bench.check_args(args, parser)
     config = _engine_config(args, parser)
-    model = ModelConfig.load(args.model)
+    model = ModelConfig.load(config.model)
     configure_logging(args.log_format, args.log_level)
     try:
         return bench.main(args, config, resolve_max_model_len(model, args.max_model_len), model.vocab_size)
@@ -295,19 +398,22 @@ def _cmd_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
 # ---- main -----------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``pagedkv`` argument parser with all subcommands."""
-    parser = argparse.ArgumentParser(prog="pagedkv", description="LLM serving with a paged KV cache (PagedAttention).")
+    """The ``pagedkv`` argument parser with all subcommands (``--help`` shows every default)."""
+    parser = _Parser(prog="pagedkv", description="LLM serving with a paged KV cache (PagedAttention).")
+    parser.add_argument("--version", action=_Version, nargs=0, help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
+    serve = sub.add_parser("serve", formatter_class=_HelpFormatter, help="serve the OpenAI-compatible HTTP API",
                            description="Serve the OpenAI-compatible API (/v1/completions, /v1/chat/completions, "
-                                       "/v1/models, /health, /metrics, /kv_cache).")
+                                       "/v1/models, /tokenize, /detokenize, /version, /health, /metrics, /kv_cache).")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="checkpoint directory, as vLLM's `serve MODEL` (same as --model)")
     _add_engine_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--host", default="127.0.0.1", help="address the HTTP API listens on")
     serve.add_argument("--port", type=_int_in(0, 65535), default=8000, help="TCP port (0: any free port)")
     serve.set_defaults(handler=_cmd_serve)
 
-    gen = sub.add_parser("generate", help="complete prompts offline and print them",
+    gen = sub.add_parser("generate", formatter_class=_HelpFormatter, help="complete prompts offline and print them",
                          description="Complete prompts with the engine (no HTTP) and print prompt + completion "
                                      "per line on stdout; logs go to stderr. Sampling defaults to greedy "
                                      "(--temperature 0) so the same command prints the same text.")
@@ -315,27 +421,28 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompts-file", metavar="FILE", help="one prompt per line (blank lines skipped)")
     _add_engine_args(gen)
     s = gen.add_argument_group("sampling")
-    s.add_argument("--temperature", type=_float_in(0.0), default=0.0, help="0 = greedy (default)")
-    s.add_argument("--top-p", type=_float_in(0.0, 1.0, lo_open=True), default=1.0)
+    s.add_argument("--temperature", type=_float_in(0.0), default=0.0, help="0 = greedy")
+    s.add_argument("--top-p", type=_float_in(0.0, 1.0, lo_open=True), default=1.0, help="nucleus sampling; 1: off")
     s.add_argument("--top-k", type=_int_in(-1), default=-1, help="-1 or 0: off")
-    s.add_argument("--min-p", type=_float_in(0.0, 1.0), default=0.0)
-    s.add_argument("--max-tokens", type=_int_in(1), default=16)
+    s.add_argument("--min-p", type=_float_in(0.0, 1.0), default=0.0, help="0: off")
+    s.add_argument("--max-tokens", type=_int_in(1), default=16, help="output tokens per completion at most")
     s.add_argument("--n", type=_int_in(1), default=1, help="completions per prompt")
     s.add_argument("--stop", action="append", metavar="STRING", help="stop string (repeatable)")
-    s.add_argument("--ignore-eos", action="store_true")
+    s.add_argument("--ignore-eos", action="store_true", help="keep generating past the model's EOS")
     gen.add_argument("--output-format", choices=["text", "jsonl"], default="text",
                      help="text: prompt + completion per output; jsonl: one JSON object per output")
     gen.set_defaults(handler=_cmd_generate)
 
-    work = sub.add_parser("worker", help="run one worker process that joins a control plane",
+    work = sub.add_parser("worker", formatter_class=_HelpFormatter,
+                          help="run one worker process that joins a control plane",
                           description="Run a worker that connects to `pagedkv serve --external-worker "
                                       "--worker-address ADDR`.")
     work.add_argument("--connect", required=True, metavar="ADDR", help="the control plane's address (ipc:// or tcp://)")
-    work.add_argument("--log-format", choices=["console", "json"], default="console")
-    work.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    _add_log_args(work)
     work.set_defaults(handler=_cmd_worker)
 
-    bench = sub.add_parser("bench", help="replay a request trace; throughput, latency and KV memory efficiency",
+    bench = sub.add_parser("bench", formatter_class=_HelpFormatter,
+                           help="replay a request trace; throughput, latency and KV memory efficiency",
                            description="Replay a trace (the Azure LLM inference traces 2023 or any CSV with "
                                        "TIMESTAMP, ContextTokens, GeneratedTokens) against an in-process engine or "
                                        "a running server (--url); write JSON, Markdown and PNG reports.")
@@ -343,26 +450,54 @@ def build_parser() -> argparse.ArgumentParser:
     importlib.import_module("pagedkv.scheduler.bench").add_arguments(bench)
     bench.set_defaults(handler=_cmd_bench, log_level="warning")
 
-    cap = sub.add_parser("capacity", help="how many KV tokens, blocks and concurrent requests fit on one GPU",
+    from pagedkv.common import capacity
+
+    cap = sub.add_parser("capacity", formatter_class=_HelpFormatter,
+                         help="how many KV tokens, blocks and concurrent requests fit on one GPU",
                          description=(capacity.__doc__ or "").strip().splitlines()[0])
     capacity.add_arguments(cap)
     cap.set_defaults(handler=lambda args, _parser: capacity.main(args) or 0)
     return parser
 
 
+def _listen_early(argv: list[str]) -> socket.socket | None:
+    """For ``serve``: the listening socket, from --host/--port read before the full parser (and the
+    imports it needs) exists; None when the flags are malformed (the full parser reports them).
+    Raises OSError when the port cannot be had."""
+    if not argv or argv[0] != "serve" or {"-h", "--help"} & set(argv):
+        return None
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--host", default="127.0.0.1")
+    pre.add_argument("--port", type=_int_in(0, 65535), default=8000)
+    try:
+        known, _ = pre.parse_known_args(argv[1:])
+    except SystemExit:
+        return None
+    return _listen(known.host, known.port)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pagedkv`` console script; returns the process exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        sock = _listen_early(argv)
+    except OSError as e:
+        print(f"pagedkv serve: error: {e}", file=sys.stderr)
+        return 1
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
+    args.listen_socket = sock
+    subparser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.command]
     if unknown:  # report it with the subcommand's usage, which lists the flags the user meant
-        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+        subparser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
-        return args.handler(args, parser)
+        return args.handler(args, subparser)
     except KeyboardInterrupt:
         return 130
-    except (FileNotFoundError, RuntimeError) as e:  # a missing tokenizer.json, a worker that failed to start
-        log.error("pagedkv failed", command=args.command, error=str(e))
+    except (OSError, ValueError, RuntimeError) as e:  # a port in use, a worker that failed to start
+        if getattr(args, "log_level", None) == "debug":
+            traceback.print_exc()
+        print(f"pagedkv {args.command}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
 
 

@@ -7,7 +7,10 @@ decode would. Text is released to the client only when it is final:
 
 - a character still being assembled from byte tokens (the decode ends in U+FFFD) is held back;
 - a suffix that could be the start of a stop string is held back until it cannot be;
-- a stop string is matched across token boundaries; on a match the output ends just before it.
+- a stop string is matched across token boundaries; on a match the output ends just before it
+  (or just after it, with ``include_stop_str_in_output``);
+- before ``min_tokens`` tokens no stop string is looked for (vLLM): that text is released as is,
+  and a later match must start after it.
 """
 
 from __future__ import annotations
@@ -25,12 +28,12 @@ class IncrementalDetokenizer:
     ``append(token_id)`` returns the new text that is safe to send; ``flush()`` releases what is
     held back once the request ends without a stop string. ``output_text`` is the output so far
     (every complete character, including text still held back for a possible stop string; after a
-    stop-string match, the text before the match). ``stopped`` is True once a stop string matched;
-    ``stop_reason`` is then that string.
+    stop-string match, the text before the match, or through it with ``include_stop_str_in_output``).
+    ``stopped`` is True once a stop string matched; ``stop_reason`` is then that string.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: list[str],
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, *, min_tokens: int = 0, include_stop_str_in_output: bool = False):
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         self._special = tokenizer.special_token_ids if skip_special_tokens else frozenset()
@@ -42,6 +45,10 @@ class IncrementalDetokenizer:
         self._read_offset = len(context)
         self._stop = [s for s in stop if s]
         self._max_stop_len = max((len(s) for s in self._stop), default=0)
+        self._min_tokens = min_tokens
+        self._include_stop = include_stop_str_in_output
+        self._num_tokens = 0
+        self._match_from = 0  # a stop string may only start here or later (after the min_tokens text)
         self.output_text = ""
         self._sent = 0  # characters of output_text already returned
         self.stopped = False
@@ -54,9 +61,13 @@ class IncrementalDetokenizer:
         """
         if self.stopped:
             return ""
+        self._num_tokens += 1
         if token_id not in self._special:
             self._ids.append(token_id)
             self.output_text += self._decode_new(final=False)
+        if self._num_tokens < self._min_tokens:  # no stop string yet: release everything
+            self._match_from = len(self.output_text)
+            return self._take(len(self.output_text))
         return self._release()
 
     def flush(self) -> str:
@@ -94,7 +105,7 @@ class IncrementalDetokenizer:
         if not self._stop:
             return self._take(len(text))
         # A match can only involve characters not yet sent, or the last max_stop_len - 1 before them.
-        start = max(0, self._sent - self._max_stop_len + 1)
+        start = max(self._match_from, self._sent - self._max_stop_len + 1)
         best = -1
         for s in self._stop:
             i = text.find(s, start)
@@ -102,8 +113,9 @@ class IncrementalDetokenizer:
                 best, self.stop_reason = i, s
         if best != -1:
             self.stopped = True
-            self.output_text = text[:best]
-            return self._take(best)
+            end = best + len(self.stop_reason) if self._include_stop else best
+            self.output_text = text[:end]
+            return self._take(end)
         return self._take(len(text) - self._held_stop_prefix(text))
 
     def _held_stop_prefix(self, text: str) -> int:

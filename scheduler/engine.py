@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from pagedkv.common.config import EngineConfig, ModelConfig, resolve_max_model_len
+from pagedkv.common.config import EngineConfig, ModelConfig, resolve_max_model_len, weight_files
 from pagedkv.common.log import get_logger
 from pagedkv.common.protocol import StepResult
 from pagedkv.common.sampling_params import SamplingParams
@@ -58,7 +58,9 @@ class Engine:
         swap = SwapSpace(num_cpu_blocks, self.kv.pool) if isinstance(self.kv, KVCacheManager) else None
         policy = PreemptionPolicy(config.preemption_mode, config.scheduling_policy, swap)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, policy)
-        self.metrics = Metrics(model_config.name)
+        # names the API answers to; the first is the one it reports (--served-model-name)
+        self.served_model_names = list(config.served_model_name) or [model_config.name]
+        self.metrics = Metrics(self.served_model_names[0])
         self.tracer: RequestTracer | None = None
         self.output = OutputProcessor(tokenizer, self.scheduler, self.max_model_len)
         self._aborts: set[str] = set()
@@ -74,9 +76,12 @@ class Engine:
         Raises FileNotFoundError/ValueError for a bad model directory, WorkerFailed when the
         worker cannot start or load the model.
         """
+        # everything that can be checked is checked before a worker starts
         model_config = ModelConfig.load(config.model)
-        resolve_max_model_len(model_config, config.max_model_len)  # fail before spawning anything
-        tokenizer = Tokenizer.load(model_config)
+        resolve_max_model_len(model_config, config.max_model_len)
+        if model_config.path is not None and config.load_format == "auto":
+            weight_files(model_config.path)
+        tokenizer = Tokenizer.load(model_config, config.chat_template)
         tracer = tracer or make_tracer(config.otlp_traces_endpoint)  # None: tracing off
         client = WorkerClient(config, worker_address, spawn=not external_worker)
         try:
@@ -86,6 +91,10 @@ class Engine:
                 raise WorkerFailed(f"no room for a single KV block on {hello.device} "
                                    "(raise --gpu-memory-utilization or --cpu-kv-cache-space)")
             num_cpu_blocks = int(config.swap_space * 2**30) // hello.kv_bytes_per_block
+            log.info("allocating the KV cache", num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
+                     block_size=config.block_size,
+                     gpu_gib=round(num_gpu_blocks * hello.kv_bytes_per_block / 2**30, 3),
+                     cpu_gib=round(num_cpu_blocks * hello.kv_bytes_per_block / 2**30, 3))
             await client.init_cache(num_gpu_blocks, num_cpu_blocks)
         except BaseException:
             await client.close()
@@ -243,6 +252,7 @@ class Engine:
         self._aborts.clear()
 
     def _apply_result(self, result: StepResult) -> None:
+        self.output.prompt_logprobs(result.prompt_logprobs)  # before the tokens: a first delta carries them
         now = time.monotonic()
         for sampled in result.sampled:
             req = self.scheduler.requests.get(sampled.request_id)

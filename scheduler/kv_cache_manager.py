@@ -92,9 +92,11 @@ class KVCacheManager:
     def find_cached_prefix(self, request: Request) -> list[Block]:
         """The longest run of cached blocks matching the request's leading full blocks.
 
-        Covers at most ``num_tokens - 1`` tokens, so one token is always left to compute.
+        Covers at most ``num_tokens - 1`` tokens, so one token is always left to compute. A request
+        that asks for prompt logprobs gets no hit: a cached block carries K/V but no logits, so its
+        whole prompt is computed (vLLM does the same); its full blocks are still cached for others.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.sampling.prompt_logprobs is not None:
             return []
         hits: list[Block] = []
         for h in self._block_hashes(request)[: (request.num_tokens - 1) // self.block_size]:

@@ -16,7 +16,7 @@ import asyncio
 
 import msgspec
 
-from pagedkv.common.protocol import SampledToken
+from pagedkv.common.protocol import PromptLogprobs, SampledToken
 from pagedkv.common.sampling_params import SamplingParams
 from pagedkv.scheduler.beam_search import BeamSearch
 from pagedkv.scheduler.detokenizer import IncrementalDetokenizer
@@ -33,18 +33,23 @@ def child_seed(seed: int | None, index: int) -> int | None:
 
 
 class TokenLogprob(msgspec.Struct):
-    """A sampled token's log-probability (natural log) and the top alternatives (id, text, logprob)."""
+    """A token's log-probability (natural log), the top alternatives (id, text, logprob), and for a
+    prompt token its 1-based rank in the model's distribution."""
 
     token_id: int
     token: str
     logprob: float
     top_logprobs: list[tuple[int, str, float]]
+    rank: int | None = None
 
 
 class RequestOutput(msgspec.Struct):
     """One streamed delta of one choice: the tokens and text new since the previous delta.
 
     finish_reason: None while running, then "stop" | "length" | "abort" | "error" (with ``error``).
+    stop_reason: with finish_reason "stop", the stop string or stop token id that matched (None for EOS).
+    prompt_logprobs: on each choice's first delta when ``prompt_logprobs`` was asked: one entry per
+    prompt token, None for the first.
     """
 
     request_id: str
@@ -57,6 +62,8 @@ class RequestOutput(msgspec.Struct):
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
+    stop_reason: str | int | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class RequestStream:
@@ -80,6 +87,9 @@ class RequestStream:
         self.first_token_time: float | None = None
         self.last_token_time = arrival_time
         self.span = None  # its OpenTelemetry span, when tracing is on
+        # per prompt position, filled as prefill chunks report them (a recompute refills the same values)
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None  # sized by OutputProcessor.add
+        self.prompt_logprobs_sent: set[int] = set()  # choice indices whose first delta carried them
 
     @property
     def done(self) -> bool:
@@ -111,6 +121,8 @@ class OutputProcessor:
         the others fork from it at the prompt's last token (``pending_forks``).
         """
         stream = RequestStream(request_id, params, arrival_time)
+        if params.prompt_logprobs is not None:
+            stream.prompt_logprobs = [None] * len(prompt_token_ids)
         group: list[Request] = []
 
         def member(rid: str, sampling: SamplingParams, index: int) -> Request:
@@ -132,8 +144,9 @@ class OutputProcessor:
                               msgspec.structs.replace(params, n=1, seed=child_seed(params.seed, i)), i)
                        for i in range(params.n)]
             for req in members:
-                stream.detoks[req.index] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
-                                                                  params.stop, params.skip_special_tokens)
+                stream.detoks[req.index] = IncrementalDetokenizer(
+                    self.tokenizer, req.prompt_token_ids, params.stop, params.skip_special_tokens,
+                    min_tokens=params.min_tokens, include_stop_str_in_output=params.include_stop_str_in_output)
         if len(members) > 1 and len(prompt_token_ids) > 1:  # siblings fork at the prompt's last token
             members[0].pending_forks = members[1:]
             members = members[:1]
@@ -152,17 +165,33 @@ class OutputProcessor:
             return self._beam_report(stream, req, sampled.top_logprobs or [])
         return self._token(stream, req, sampled)
 
+    def prompt_logprobs(self, reports: list[PromptLogprobs]) -> None:
+        """Store the prompt tokens' logprobs a step reported, by prompt position."""
+        tok = self.tokenizer.token_to_str
+        for p in reports:
+            req = self.scheduler.requests.get(p.request_id)
+            stream = self.owner.get(p.request_id)
+            if req is None or stream is None or stream.prompt_logprobs is None:
+                continue
+            for i, (lp, rank, top) in enumerate(zip(p.logprobs, p.ranks, p.top_logprobs)):
+                token = req.prompt_token_ids[p.start + i]
+                stream.prompt_logprobs[p.start + i] = TokenLogprob(token, tok(token), lp,
+                                                                   [(t, tok(t), v) for t, v in top], rank)
+
     def _token(self, stream: RequestStream, req: Request, sampled: SampledToken) -> RequestStatus | None:
         """Append a sampled token to one sequence, detokenize, check its stop conditions, stream it."""
         params, token, detok = req.sampling, sampled.token_id, stream.detoks[req.index]
         req.token_ids.append(token)
-        status = None
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.tokenizer.eos_token_ids):
+        status, stop_reason = None, None
+        if token in params.stop_token_ids:  # vLLM: stop_reason is the token id; its text only when asked
+            status, stop_reason = RequestStatus.FINISHED_STOPPED, token
+            text = (detok.append(token) if params.include_stop_str_in_output else "") + detok.flush()
+        elif not params.ignore_eos and token in self.tokenizer.eos_token_ids:
             status, text = RequestStatus.FINISHED_STOPPED, detok.flush()
         else:
             text = detok.append(token)
             if detok.stopped:
-                status = RequestStatus.FINISHED_STOPPED
+                status, stop_reason = RequestStatus.FINISHED_STOPPED, detok.stop_reason
             elif req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
                 status = RequestStatus.FINISHED_LENGTH
                 text += detok.flush()
@@ -171,7 +200,8 @@ class OutputProcessor:
             tok = self.tokenizer.token_to_str
             logprobs = [TokenLogprob(token, tok(token), sampled.logprob,
                                      [(t, tok(t), lp) for t, lp in sampled.top_logprobs or []])]
-        stream.queue.put_nowait(self._output(stream, req, req.index, [token], text, logprobs, status))
+        stream.queue.put_nowait(self._output(stream, req, req.index, [token], text, logprobs, status,
+                                             stop_reason=stop_reason))
         if status is None:
             return None
         self.scheduler.finish(req, status)
@@ -242,7 +272,11 @@ class OutputProcessor:
     @staticmethod
     def _output(stream: RequestStream, req: Request, index: int, token_ids: list[int], text: str,
                 logprobs: list[TokenLogprob] | None, status: RequestStatus | None,
-                error: str | None = None) -> RequestOutput:
+                error: str | None = None, stop_reason: str | int | None = None) -> RequestOutput:
+        prompt_logprobs = None  # each choice's first delta carries the prompt's logprobs
+        if stream.prompt_logprobs is not None and index not in stream.prompt_logprobs_sent:
+            stream.prompt_logprobs_sent.add(index)
+            prompt_logprobs = stream.prompt_logprobs
         return RequestOutput(stream.request_id, index, token_ids, text, logprobs,
                              status.finish_reason if status else None, error, req.num_prompt_tokens,
-                             req.num_output_tokens, req.num_cached_tokens)
+                             req.num_output_tokens, req.num_cached_tokens, stop_reason, prompt_logprobs)

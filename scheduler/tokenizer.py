@@ -2,13 +2,14 @@
 
 A checkpoint directory supplies ``tokenizer.json`` (the fast-tokenizer format), and optionally
 ``tokenizer_config.json`` (``add_bos_token``, ``bos_token``/``eos_token``, ``chat_template``) and
-``generation_config.json`` (extra ``eos_token_id``). The embedded default model gets a byte-level
+``generation_config.json`` (extra ``eos_token_id``, merged by `ModelConfig.load`). The embedded default model gets a byte-level
 tokenizer built here: ids 0..255 are the bytes, 256 is ``<s>`` and 257 is ``</s>``, matching
 `common.config.EMBEDDED_HF_CONFIG`.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import re
@@ -19,7 +20,7 @@ import jinja2
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from pagedkv.common.config import ModelConfig
+from pagedkv.common.config import ModelConfig, read_json
 
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
@@ -78,7 +79,8 @@ class Tokenizer:
     """Encodes prompts, decodes outputs and renders chat templates for one model.
 
     Attributes: ``bos_token_id`` (int | None), ``eos_token_ids`` (list[int]: every id that ends
-    generation), ``vocab_size`` (including added tokens), ``chat_template`` (str | None),
+    generation), ``bos_token`` / ``eos_token`` (their text, or None), ``vocab_size`` (including
+    added tokens), ``chat_template`` (str | None),
     ``special_token_ids`` (frozenset of ids of special added tokens, dropped by
     ``skip_special_tokens``).
     """
@@ -93,28 +95,32 @@ class Tokenizer:
         self.chat_template = chat_template
         self.special_token_ids = frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
         self._add_bos = add_bos
-        self._bos_token = bos_token
-        self._eos_token = eos_token
+        self.bos_token = bos_token
+        self.eos_token = eos_token
         self._template_vars = special_template_vars or {}
         self._token_str_cache: dict[int, str] = {}
 
     @classmethod
-    def load(cls, model_config: ModelConfig) -> "Tokenizer":
+    def load(cls, model_config: ModelConfig, chat_template: str | None = None) -> "Tokenizer":
         """The tokenizer for ``model_config``: ``PATH/tokenizer.json``, or the byte tokenizer when path is None.
 
         BOS is added when tokenizer_config.json's ``add_bos_token`` is true or the tokenizer's own
-        post-processor adds it (never twice). Raises FileNotFoundError naming the path when
-        tokenizer.json is missing.
+        post-processor adds it (never twice). chat_template: a template text replacing the
+        checkpoint's (``--chat-template``). Raises FileNotFoundError naming the path when
+        tokenizer.json is missing, ValueError naming the file when it or tokenizer_config.json
+        cannot be read.
         """
         if model_config.path is None:
             return cls(build_byte_tokenizer(), bos_token_id=256, eos_token_ids=list(model_config.eos_token_ids) or [257],
-                       add_bos=True, chat_template=None, bos_token="<s>", eos_token="</s>")
+                       add_bos=True, chat_template=chat_template, bos_token="<s>", eos_token="</s>")
         path = os.path.join(model_config.path, "tokenizer.json")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no tokenizer.json at {path!r}: pagedkv needs the Hugging Face fast-tokenizer file")
-        tok = tokenizers.Tokenizer.from_file(path)
+        try:
+            tok = tokenizers.Tokenizer.from_file(path)
+        except Exception as e:  # the Rust library raises its own Exception type
+            raise ValueError(f"{path}: not a tokenizers file: {' '.join(str(e).split())}") from None
         cfg = _read_json(os.path.join(model_config.path, "tokenizer_config.json"))
-        gen = _read_json(os.path.join(model_config.path, "generation_config.json"))
 
         bos_token = _token_content(cfg.get("bos_token"))
         eos_token = _token_content(cfg.get("eos_token"))
@@ -124,15 +130,11 @@ class Tokenizer:
         if bos_token is None and bos_id is not None:
             bos_token = tok.id_to_token(bos_id)
 
-        eos_ids = list(model_config.eos_token_ids)
-        gen_eos = gen.get("eos_token_id")
-        for e in ([gen_eos] if isinstance(gen_eos, int) else (gen_eos or [])):
-            if e not in eos_ids:
-                eos_ids.append(e)
+        eos_ids = list(model_config.eos_token_ids)  # config.json's and generation_config.json's
         if eos_token is None and eos_ids:
             eos_token = tok.id_to_token(eos_ids[0])
 
-        template = cfg.get("chat_template")
+        template = chat_template or cfg.get("chat_template")
         if isinstance(template, list):  # HF allows a list of named templates; "default" is the one used
             template = next((t.get("template") for t in template if t.get("name") == "default"), None)
         extra = {k: _token_content(cfg.get(k)) for k in ("unk_token", "pad_token")}
@@ -196,14 +198,39 @@ class Tokenizer:
         try:
             return _compile_template(self.chat_template).render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self._bos_token or "", eos_token=self._eos_token or "",
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "",
                 **{k: v for k, v in self._template_vars.items() if v is not None})
         except jinja2.TemplateError as e:
             raise ValueError(f"messages: chat template failed: {e}") from None
 
 
 def _read_json(path: str) -> dict:
-    if not os.path.isfile(path):
-        return {}
-    with open(path) as f:
-        return json.load(f)
+    data = read_json(path)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    return data
+
+
+_JINJA_CHARS = "{}\n"
+
+
+def load_chat_template(value: str) -> str:
+    """The template text of ``--chat-template PATH_OR_STRING``, with vLLM's rules.
+
+    A readable file gives its contents. Otherwise a value holding a jinja2 character (``{``, ``}``
+    or a newline) is the template itself, with backslash escapes such as ``\\n`` decoded; anything
+    else is taken for a mistyped path. The template is compiled here, so a syntax error is found at
+    start-up. Raises ValueError naming the problem.
+    """
+    try:
+        with open(value, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        if not any(c in value for c in _JINJA_CHARS):
+            raise ValueError(f"{value!r} is neither a readable file ({e.strerror}) nor a jinja2 template") from None
+        text = codecs.decode(value, "unicode_escape")
+    try:
+        _compile_template(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"invalid jinja2 template: {e.message} (line {e.lineno})") from None
+    return text

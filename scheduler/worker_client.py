@@ -9,6 +9,7 @@ answering raises `WorkerFailed` instead of being waited on forever.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import subprocess
 import sys
@@ -21,6 +22,9 @@ import zmq.asyncio
 
 from pagedkv.common import protocol
 from pagedkv.common.config import EngineConfig
+from pagedkv.common.log import get_logger
+
+log = get_logger("pagedkv.worker_client")
 
 _POLL_SECONDS = 0.5  # how often a waiting call checks that a spawned worker is still alive
 _START_SECONDS = 600.0  # loading a large checkpoint and profiling may take minutes; steps may not
@@ -62,18 +66,29 @@ class WorkerClient:
         """
         if self.spawn:
             env = dict(os.environ, PAGEDKV_PARENT_PID=str(os.getpid()))
-            self.process = subprocess.Popen([sys.executable, "-m", "pagedkv.worker", "--connect", self.address], env=env)
+            # the worker logs at the control plane's level (debug: tracebacks of its failures)
+            level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
+            self.process = subprocess.Popen([sys.executable, "-m", "pagedkv.worker", "--connect", self.address,
+                                             "--log-level", level], env=env)
+            log.info("worker process started", pid=self.process.pid, address=self.address)
+        else:
+            log.info("waiting for a worker to connect", address=self.address)
         start_timeout = max(self.timeout, _START_SECONDS)
+        started = time.monotonic()
         msg = await self._recv(timeout=register_timeout if not self.spawn else start_timeout)
         if not isinstance(msg, protocol.Register):
             raise WorkerFailed(f"expected Register from the worker, got {type(msg).__name__}")
         if msg.protocol_version != protocol.PROTOCOL_VERSION:
             raise WorkerFailed(f"worker speaks protocol version {msg.protocol_version}, "
                                f"control plane {protocol.PROTOCOL_VERSION}: upgrade both together")
+        log.info("loading the model and profiling memory", model=self.config.model or "embedded",
+                 load_format=self.config.load_format, pid=msg.pid)
         await self._send(protocol.LoadModel(self.config))
         hello = await self._recv(start_timeout)
         if not isinstance(hello, protocol.WorkerHello):
             raise WorkerFailed(f"expected WorkerHello, got {type(hello).__name__}")
+        log.info("model loaded", device=hello.device, dtype=hello.dtype, max_num_gpu_blocks=hello.max_num_gpu_blocks,
+                 kv_bytes_per_block=hello.kv_bytes_per_block, seconds=round(time.monotonic() - started, 2))
         return hello
 
     async def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:

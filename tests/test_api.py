@@ -319,7 +319,8 @@ async def test_chat_without_template_gets_400(http):
     resp = await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]})
     assert resp.status == 400
     assert (await resp.json())["error"] == {
-        "message": "messages: model 'stories260K' has no chat template; use /v1/completions",
+        "message": "messages: model 'stories260K' has no chat template; start the server with --chat-template, "
+                   "or use /v1/completions",
         "type": "invalid_request_error", "param": "messages", "code": None}
 
 
@@ -371,7 +372,7 @@ async def test_chat_completion_renders_the_template(chat_http):
     assert re.fullmatch(r"chatcmpl-[0-9a-f]{32}", body["id"])
     assert body["object"] == "chat.completion"
     assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": GOLDEN_COMPLETION},
-                                "logprobs": None, "finish_reason": "length"}]
+                                "logprobs": None, "finish_reason": "length", "stop_reason": None}]
     assert body["usage"]["prompt_tokens"] == 5  # the template's BOS, not a second one
 
 
@@ -444,9 +445,42 @@ async def test_models_lists_the_real_model(http):
     assert card["owned_by"] == "pagedkv"
     assert card["random_weights"] is False
     assert card["max_model_len"] == 512
+    assert card["supports_chat"] is False  # stories260K ships no chat template (--chat-template adds one)
     assert "description" not in card
     assert (await (await http.get("/v1/models/stories260K")).json()) == card
     assert (await http.get("/v1/models/other")).status == 404
+
+
+# ---- tokenizer endpoints (vLLM's), version ------------------------------------------------------
+
+async def test_tokenize_and_detokenize_round_trip_as_vllm(http):
+    body = await (await http.post("/tokenize", json={"prompt": GOLDEN_PROMPT})).json()
+    assert body == {"count": 5, "max_model_len": 512, "tokens": GOLDEN_PROMPT_IDS, "token_strs": None}
+    body = await (await http.post("/tokenize", json={"prompt": GOLDEN_PROMPT, "add_special_tokens": False,
+                                                      "return_token_strs": True})).json()
+    assert body["tokens"] == GOLDEN_PROMPT_IDS[1:] and body["token_strs"] == [" Once", " upon", " a", " time"]
+    assert await (await http.post("/detokenize", json={"tokens": GOLDEN_PROMPT_IDS})).json() == \
+        {"prompt": GOLDEN_PROMPT}
+
+
+async def test_tokenize_refuses_bad_bodies_naming_the_field(http):
+    cases = [({"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "prompt"),
+             ({"messages": [{"role": "user", "content": "x"}]}, "messages"),  # no chat template
+             ({"prompt": "x", "model": "other"}, "model"), ({"prompt": "x", "extra": 1}, "extra")]
+    for body, param in cases:
+        resp = await http.post("/tokenize", json=body)
+        assert resp.status in (400, 404) and (await resp.json())["error"]["param"] == param, body
+    resp = await http.post("/detokenize", json={"tokens": [512]})
+    assert resp.status == 400 and (await resp.json())["error"]["param"] == "tokens"
+
+
+async def test_version_and_tokenizer_info(http):
+    import importlib.metadata
+
+    assert await (await http.get("/version")).json() == {"version": importlib.metadata.version("pagedkv")}
+    info = await (await http.get("/tokenizer_info")).json()
+    assert (info["bos_token"], info["eos_token"], info["bos_token_id"], info["eos_token_id"]) == ("<s>", "</s>", 1, 2)
+    assert info["model_max_length"] == 512 and info["chat_template"] is None
 
 
 async def test_health(http):
@@ -550,6 +584,7 @@ class FailingEngine:
         self.model_config = ModelConfig.load(str(stories260k))
         self.tokenizer = Tokenizer.load(self.model_config)
         self.max_model_len = 512
+        self.served_model_names = ["stories260K"]
         self.random_weights = False
         self.healthy = False
         self.aborted: list[str] = []

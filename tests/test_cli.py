@@ -43,7 +43,7 @@ BAD_FLAGS = [
     (["--num-gpu-blocks", "0"], "argument --num-gpu-blocks: must be >= 1, got 0"),
     (["--worker-timeout", "nan"], "argument --worker-timeout: must be > 0.0, got nan"),
     (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
-    (["--model", "/"], "argument --model: '/' is not a Hugging Face checkpoint directory (no config.json)"),
+    (["--model", "/"], "pagedkv serve: error: --model /: not a Hugging Face checkpoint directory (no config.json)"),
     (["--max-model-len", "100000"], "--max-model-len 100000 must be between 1 and the model's "
                                     "max_position_embeddings (2048)"),
     (["--external-worker"], "--external-worker needs --worker-address"),
@@ -54,7 +54,7 @@ BAD_FLAGS = [
 @pytest.mark.parametrize("flags,message", BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
 def test_bad_serve_flag_is_an_error_naming_it(capsys, flags, message):
     with pytest.raises(SystemExit) as e:
-        main(["serve", *flags])
+        main(["serve", "--port", "0", *flags])  # port 0: never collide with a real server
     assert e.value.code == 2
     assert message in capsys.readouterr().err
 
@@ -214,9 +214,10 @@ def test_prefix_caching_flags_reach_the_engine_config():
 
 def test_a_mistyped_flag_is_reported_with_the_subcommand_usage(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["serve", "--modle", "x"])
+        main(["serve", "--port", "0", "--modle", "x"])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2
+<<<<<<< HEAD
     assert "usage: pagedkv serve" in err and "pagedkv serve: error: unrecognized arguments: --modle x" in err
 
 
@@ -225,3 +226,87 @@ def test_empty_model_flag_is_the_embedded_model():
     args = build_parser().parse_args(["serve", "--model="])
     assert args.model is None
     assert _engine_config(args, build_parser()).model is None
+=======
+    assert "usage: pagedkv serve" in err and "pagedkv serve: error: unrecognized arguments: --modle" in err
+
+
+# ---- failing fast, in one line ------------------------------------------------------------------
+
+def test_version_flag_prints_the_package_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out == f"pagedkv {importlib.metadata.version('pagedkv')}\n"
+
+
+def test_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for flag in ("--block-size BLOCK_SIZE tokens per KV block (power of two, 1..256) (default: 16)",
+                 "(default: 127.0.0.1)", "(default: 8000)", "(default: 0.9)", "(default: auto)"):
+        assert flag in out
+
+
+def _bad_checkpoint(tmp_path: Path, stories260k: Path, kind: str) -> Path:
+    d = tmp_path / kind
+    d.mkdir()
+    if kind == "no_weights":
+        for f in ("config.json", "tokenizer.json"):
+            (d / f).write_bytes((stories260k / f).read_bytes())
+    elif kind == "bad_json":
+        (d / "config.json").write_text('{"hidden_size": 64,')
+    elif kind == "no_tokenizer":
+        for f in ("config.json", "model.safetensors"):
+            (d / f).write_bytes((stories260k / f).read_bytes())
+    return d
+
+
+@pytest.mark.parametrize("kind,message", [
+    ("missing", "pagedkv serve: error: --model {d}: no such directory"),
+    ("no_weights", "pagedkv serve: error: {d}: no *.safetensors weights (use --load-format dummy for random weights)"),
+    ("bad_json", "pagedkv serve: error: {d}/config.json: invalid JSON: Expecting property name enclosed in double "
+                 "quotes: line 1 column 20 (char 19)"),
+    ("no_tokenizer", "pagedkv serve: error: no tokenizer.json at '{d}/tokenizer.json': pagedkv needs the Hugging Face "
+                     "fast-tokenizer file"),
+])
+def test_a_bad_checkpoint_is_one_line_naming_the_problem_before_any_worker(tmp_path, stories260k, capsys,
+                                                                           kind, message):
+    d = tmp_path / kind if kind == "missing" else _bad_checkpoint(tmp_path, stories260k, kind)
+    with pytest.raises(SystemExit) as e:
+        main(["serve", str(d), "--port", "0"])  # the positional MODEL, as `vllm serve MODEL`
+    assert e.value.code == 2
+    assert capsys.readouterr().err == message.format(d=d) + "\n"  # one line, no traceback, no worker
+
+
+def test_a_bad_chat_template_is_one_line_naming_the_flag(stories260k, capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", str(stories260k), "--port", "0", "--chat-template", "no/such/template.jinja"])
+    assert capsys.readouterr().err == ("pagedkv serve: error: --chat-template: 'no/such/template.jinja' is neither a "
+                                       "readable file (No such file or directory) nor a jinja2 template\n")
+    with pytest.raises(SystemExit):
+        main(["serve", str(stories260k), "--port", "0", "--chat-template", "{% for m in messages %}"])
+    assert capsys.readouterr().err == ("pagedkv serve: error: --chat-template: invalid jinja2 template: Unexpected "
+                                       "end of template. Jinja was looking for the following tags: 'endfor' or "
+                                       "'else'. The innermost block that needs to be closed is 'for'. (line 1)\n")
+
+
+def test_the_model_given_twice_differently_is_an_error(stories260k, capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", str(stories260k), "--port", "0", "--model", "/elsewhere"])
+    assert "the model is given twice" in capsys.readouterr().err
+
+
+def test_a_port_in_use_exits_at_once_in_one_line_before_loading_anything(stories260k):
+    import socket
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        started = time.monotonic()
+        out = subprocess.run([*PAGEDKV, "serve", str(stories260k), "--port", str(port)], capture_output=True,
+                             text=True, timeout=60, cwd=REPO)
+        seconds = time.monotonic() - started
+    assert out.returncode == 1
+    assert out.stderr == f"pagedkv serve: error: --host 127.0.0.1 --port {port}: cannot listen: Address already " \
+                         f"in use\n", out.stderr
+    print(f"port in use: exit after {seconds:.2f} s")  # the model was never read: no worker line above
+>>>>>>> c85aea3 (Real clients work unchanged (issue 13): prompt logprobs and echo, every OpenAI field honoured or refused, --chat-template, the offline LLM API, a CLI that fails fast)

@@ -22,12 +22,12 @@ def byte_tok() -> Tokenizer:
     return Tokenizer.load(ModelConfig.load(None))
 
 
-def stream(tok, prompt_ids, output_ids, stop=(), skip_special_tokens=True, flush=True):
+def stream(tok, prompt_ids, output_ids, stop=(), skip_special_tokens=True, flush=True, **kw):
     """Feed ``output_ids`` one by one until a stop string matches, as the engine does.
 
     Returns (deltas, detokenizer); the flush delta comes last when the output did not stop.
     """
-    d = IncrementalDetokenizer(tok, prompt_ids, list(stop), skip_special_tokens)
+    d = IncrementalDetokenizer(tok, prompt_ids, list(stop), skip_special_tokens, **kw)
     deltas = []
     for t in output_ids:
         deltas.append(d.append(t))
@@ -64,6 +64,21 @@ def test_stop_string_split_across_tokens_is_never_streamed(tok):
     assert d.output_text == ", there was a little "
     assert d.append(395) == ""  # tokens after the stop are ignored
     assert d.flush() == ""
+
+
+def test_include_stop_str_in_output_ends_the_text_after_the_stop_string(tok):
+    deltas, d = stream(tok, GOLDEN_PROMPT_IDS, GOLDEN_OUTPUT_IDS, stop=["girl"], include_stop_str_in_output=True)
+    assert "".join(deltas) == d.output_text == ", there was a little girl"
+    assert d.stop_reason == "girl"
+
+
+def test_no_stop_string_is_looked_for_before_min_tokens(tok):
+    # "Lily" ends token 10; with min_tokens 11 the first "Lily" is output and the next one stops it
+    deltas, d = stream(tok, GOLDEN_PROMPT_IDS, GOLDEN_OUTPUT_IDS, stop=["Lily"], min_tokens=11)
+    assert d.stopped and d.output_text == "".join(deltas)
+    assert d.output_text == GOLDEN_COMPLETION[:GOLDEN_COMPLETION.index("Lily", 40)]
+    deltas, d = stream(tok, GOLDEN_PROMPT_IDS, GOLDEN_OUTPUT_IDS, stop=["Lily"], min_tokens=10)
+    assert d.output_text == ", there was a little girl named "  # token 10 completes the match
 
 
 def test_held_prefix_is_released_when_the_stop_string_does_not_follow(tok):

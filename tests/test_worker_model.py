@@ -57,6 +57,7 @@ class Driver:
                 cached.append(CachedRequestData(rid, fresh, n))
             r["computed"] += n
         result = self.runner.execute(StepPlan(self.step_id, new, cached, **plan_fields))
+        self.last = result
         self.step_id += 1
         assert result.error is None and result.forward_seconds > 0
         for s in result.sampled:
@@ -299,3 +300,44 @@ def test_attention_backend_is_chosen_once_at_load_from_the_config():
     runner.init_cache(4, 0)
     attn = runner.model.model.layers[0].self_attn
     assert runner.model.kernels is reference and attn.kernels is reference and runner.cache.kernels is reference
+
+
+def _hf_logprobs(stories260k, ids: list[int]) -> torch.Tensor:
+    """transformers' log-softmax ``[len(ids), vocab]`` for the token sequence ``ids`` (the oracle)."""
+    import transformers
+
+    model = transformers.LlamaForCausalLM.from_pretrained(str(stories260k), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def test_prompt_logprobs_equal_transformers_across_chunks_and_a_batch(stories260k):
+    prompt = GOLDEN_PROMPT_IDS + GOLDEN_OUTPUT_IDS[:20]  # 25 tokens over two blocks of 16
+    d = Driver(stories260k)
+    d.add("p", prompt, sampling=SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=3))
+    d.add("q", GOLDEN_PROMPT_IDS)  # batched alongside, asks for nothing
+    spans = []
+    for schedule in ({"p": 3, "q": 5}, {"p": 15, "q": 1}, {"p": 7, "q": 1}, {"p": 1, "q": 1}):
+        d.step(schedule)
+        spans += d.last.prompt_logprobs
+    assert [(s.request_id, s.start, len(s.logprobs)) for s in spans] == [("p", 1, 3), ("p", 4, 15), ("p", 19, 6)]
+    assert d.output("q") == GOLDEN_OUTPUT_IDS[:4]  # the extra logits rows change nothing for the others
+    ref = _hf_logprobs(stories260k, prompt)
+    got = [lp for s in spans for lp in s.logprobs]
+    want = ref[torch.arange(24), torch.tensor(prompt[1:])]  # row i predicts token i + 1
+    assert torch.allclose(torch.tensor(got), want, atol=1e-4)
+    ranks = [r for s in spans for r in s.ranks]
+    assert ranks == ((ref[:24] > want[:, None]).sum(-1) + 1).tolist()
+    tops = [t for s in spans for t in s.top_logprobs]
+    assert [[tid for tid, _ in t] for t in tops] == ref[:24].topk(3).indices.tolist()
+    assert d.output("p") == GOLDEN_OUTPUT_IDS[20:22]  # and it samples as usual from the prompt's end
+
+
+def test_logit_bias_and_min_tokens_steer_the_sampled_token(stories260k):
+    d = Driver(stories260k)
+    d.add("bias", GOLDEN_PROMPT_IDS, sampling=SamplingParams(temperature=0.0, logit_bias={432: -100.0, 286: 100.0}))
+    d.add("eos", GOLDEN_PROMPT_IDS, sampling=SamplingParams(temperature=0.0, logit_bias={2: 100.0}, min_tokens=2))
+    assert d.step({"bias": 5, "eos": 5}) == {"bias": 286, "eos": 432}  # EOS (2) is masked before min_tokens
+    assert d.last.sampled[0].logprob is None
+    d.decode(["bias", "eos"], 2)
+    assert d.output("eos") == [432, 383, 2]  # two outputs reached: EOS allowed, and the bias wins

@@ -12,8 +12,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m pagedkv.worker", description="pagedkv worker process")
     parser.add_argument("--connect", required=True, metavar="ADDR",
                         help="the control plane's ZeroMQ address, e.g. ipc:///tmp/pagedkv.sock or tcp://host:5555")
+    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s worker %(levelname)s %(message)s")
     run(args.connect)
 
 

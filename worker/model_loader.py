@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import glob
-import os
-
 import torch
 from safetensors import safe_open
 
-from pagedkv.common.config import EngineConfig, ModelConfig
+from pagedkv.common.config import EngineConfig, ModelConfig, weight_files
 from pagedkv.kernels import select_backend
 from pagedkv.worker.model import LlamaForCausalLM
 
@@ -65,9 +62,7 @@ def _init_dummy(model: LlamaForCausalLM, seed: int, device: torch.device) -> Non
 
 @torch.no_grad()
 def _load_safetensors(model: LlamaForCausalLM, config: ModelConfig) -> None:
-    files = sorted(glob.glob(os.path.join(config.path, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {config.path!r}")
+    files = weight_files(config.path)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for file in files:

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv.common.config import EngineConfig, ModelConfig, resolve_max_model_len
-from pagedkv.common.protocol import SampledToken, StepPlan, StepResult
+from pagedkv.common.protocol import PromptLogprobs, SampledToken, StepPlan, StepResult
 from pagedkv.common.sampling_params import SamplingParams
 from pagedkv.worker.cache_engine import CacheEngine, kv_bytes_per_block
 from pagedkv.worker.model import AttentionMetadata
 from pagedkv.worker.model_loader import load_model
-from pagedkv.worker.sampler import Sampler
+from pagedkv.worker.sampler import Sampler, prompt_logprobs
 
 
 @dataclass
@@ -46,7 +46,7 @@ class ModelRunner:
         self.device, self.dtype = device, dtype
         self.block_size = engine_config.block_size
         self.model = load_model(self.model_config, engine_config, device, dtype)
-        self.sampler = Sampler(engine_config.seed, device)
+        self.sampler = Sampler(engine_config.seed, device, self.model_config.eos_token_ids)
         self.cache: CacheEngine | None = None
         self.requests: dict[str, RequestState] = {}
 
@@ -80,7 +80,8 @@ class ModelRunner:
             scheduled.append((state, n))
             first += b
         self._run(scheduled, cache)
-        self.sampler = Sampler(self.engine_config.seed, self.device)  # unseeded draws start as if unprofiled
+        self.sampler = Sampler(self.engine_config.seed, self.device,  # unseeded draws start as if unprofiled
+                               self.model_config.eos_token_ids)
         return sum(nblocks) * self.kv_bytes_per_block
 
     @torch.inference_mode()
@@ -116,16 +117,21 @@ class ModelRunner:
         self.cache.swap_out(plan.blocks_to_swap_out)
         self.cache.swap_in(plan.blocks_to_swap_in)
         self.cache.copy(plan.blocks_to_copy)
-        sampled = self._run([(s, n) for s, n in scheduled if n > 0], self.cache)
-        return StepResult(step_id=plan.step_id, sampled=sampled, forward_seconds=time.perf_counter() - start)
+        sampled, prompt = self._run([(s, n) for s, n in scheduled if n > 0], self.cache)
+        return StepResult(step_id=plan.step_id, sampled=sampled, prompt_logprobs=prompt,
+                          forward_seconds=time.perf_counter() - start)
 
-    def _run(self, scheduled: list[tuple[RequestState, int]], cache: CacheEngine) -> list[SampledToken]:
-        """Forward the scheduled tokens of each request, sample where a request's known tokens end."""
+    def _run(self, scheduled: list[tuple[RequestState, int]],
+             cache: CacheEngine) -> tuple[list[SampledToken], list[PromptLogprobs]]:
+        """Forward the scheduled tokens of each request, sample where a request's known tokens end,
+        and score the prompt tokens of requests that asked for prompt logprobs."""
         if not scheduled:
-            return []
+            return [], []
         bs = self.block_size
         input_ids: list[int] = []
         starts, lens, tables, sample_rows, samplers = [], [], [], [], []
+        prompt_rows: list[int] = []  # rows whose logits predict a prompt token, for prompt logprobs
+        prompt_spans: list[tuple[RequestState, int, int]] = []  # (request, first prompt token scored, count)
         for state, n in scheduled:
             begin, end = state.num_computed_tokens, state.num_computed_tokens + n
             if end > len(state.token_ids):
@@ -135,6 +141,12 @@ class ModelRunner:
                 raise ValueError(f"request {state.request_id!r}: {len(state.block_ids)} blocks of {bs} "
                                  f"cannot hold {end} tokens")
             input_ids.extend(state.token_ids[begin:end])
+            # position p's logits predict token p + 1: score the prompt tokens this chunk predicts
+            if state.sampling.prompt_logprobs is not None and begin < state.num_prompt_tokens - 1:
+                count = min(end, state.num_prompt_tokens - 1) - begin
+                first_row = len(input_ids) - n
+                prompt_rows.extend(range(first_row, first_row + count))
+                prompt_spans.append((state, begin + 1, count))
             starts.append(begin)
             lens.append(n)
             tables.append(state.block_ids)
@@ -153,11 +165,13 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping.to(dev), block_tables.to(dev),
                                  (torch.tensor(starts) + q_lens).to(torch.int32).to(dev), query_start_loc.to(dev))
         logits = self.model(torch.tensor(input_ids, device=dev), positions.to(dev), meta, cache.k_caches,
-                            cache.v_caches, torch.tensor(sample_rows, dtype=torch.int64, device=dev))
+                            cache.v_caches, torch.tensor(prompt_rows + sample_rows, dtype=torch.int64, device=dev))
         for state, n in scheduled:
             state.num_computed_tokens += n
+        prompt = self._prompt_logprobs(logits[:len(prompt_rows)], prompt_spans)
+        logits = logits[len(prompt_rows):]
         if not samplers:
-            return []
+            return [], prompt
         out = self.sampler(logits, [s.sampling for s in samplers],
                            [s.token_ids[:s.num_prompt_tokens] for s in samplers],
                            [s.token_ids[s.num_prompt_tokens:] for s in samplers])
@@ -167,4 +181,19 @@ class ModelRunner:
             if not state.sampling.use_beam_search:  # beam search: the control plane picks and sends tokens
                 state.token_ids.append(token)
             result.append(SampledToken(state.request_id, token, out.logprobs[i], out.top_logprobs[i]))
-        return result
+        return result, prompt
+
+    def _prompt_logprobs(self, logits: torch.Tensor, spans: list[tuple[RequestState, int, int]]) -> list[PromptLogprobs]:
+        """One PromptLogprobs per span; ``logits`` ``[sum of counts, vocab]``, rows in span order."""
+        if not spans:
+            return []
+        targets = [t for state, first, count in spans for t in state.token_ids[first:first + count]]
+        k = max(state.sampling.prompt_logprobs for state, _, _ in spans)
+        lps, ranks, tops = prompt_logprobs(logits, torch.tensor(targets, device=logits.device), k)
+        out, row = [], 0
+        for state, first, count in spans:
+            want = state.sampling.prompt_logprobs
+            out.append(PromptLogprobs(state.request_id, first, lps[row:row + count], ranks[row:row + count],
+                                      [t[:want] for t in tops[row:row + count]]))
+            row += count
+        return out

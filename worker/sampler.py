@@ -1,6 +1,7 @@
 """Next-token selection: penalties, temperature, top-k / top-p / min-p, seeded sampling, logprobs.
 
-Order per row (as HF's and vLLM's samplers): repetition penalty (prompt + output tokens; HF
+Order per row (as HF's and vLLM's samplers): logit bias (OpenAI ``logit_bias``) and, before
+``min_tokens`` output tokens, EOS and the stop token ids masked out (vLLM); repetition penalty (prompt + output tokens; HF
 ``RepetitionPenaltyLogitsProcessor``: positive logits divided, negative multiplied), presence and
 frequency penalties (output tokens only; OpenAI API: ``logit -= frequency * count + presence *
 (count > 0)``), then greedy argmax when temperature is 0, else divide by temperature, keep the
@@ -46,8 +47,9 @@ class SamplerOutput:
 class Sampler:
     """Samples one token per row of a logits batch; see the module docstring for the exact semantics."""
 
-    def __init__(self, seed: int, device: torch.device):
+    def __init__(self, seed: int, device: torch.device, eos_token_ids: list[int] = ()):
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.eos_token_ids = list(eos_token_ids)  # masked with the stop token ids before min_tokens
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], prompt_ids: list[list[int]],
                  output_ids: list[list[int]]) -> SamplerOutput:
@@ -58,6 +60,7 @@ class Sampler:
         """
         raw = logits
         logits = logits.to(torch.float32, copy=True)
+        apply_bias_and_min_tokens(logits, params, output_ids, self.eos_token_ids)
         apply_penalties(logits, params, prompt_ids, output_ids)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -96,6 +99,36 @@ class Sampler:
             want = params[i].logprobs
             tops[i] = list(zip(top_ids[j][:want], top_vals[j][:want]))
         return logprobs, tops
+
+
+def apply_bias_and_min_tokens(logits: torch.Tensor, params: list[SamplingParams], output_ids: list[list[int]],
+                              eos_token_ids: list[int]) -> None:
+    """Add each row's ``logit_bias``; while a row has fewer than ``min_tokens`` outputs, forbid
+    its stop token ids and (unless ``ignore_eos``) EOS. ``logits`` ``[num_rows, vocab]`` float32, in place."""
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=logits.device)
+            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+        if len(output_ids[i]) < p.min_tokens:
+            stop = p.stop_token_ids + ([] if p.ignore_eos else eos_token_ids)
+            if stop:
+                logits[i, torch.tensor(stop, dtype=torch.int64, device=logits.device)] = float("-inf")
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int):
+    """Log-probabilities of ``targets`` under ``logits``: the prompt-logprobs math (raw logits, as
+    the sampler's logprobs).
+
+    logits ``[rows, vocab]``; targets ``[rows]`` int64 (the prompt token each row predicts).
+    Returns python lists: logprob ``[rows]``, 1-based rank ``[rows]``, and the top ``k`` (token_id,
+    logprob) pairs per row.
+    """
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, targets[:, None])
+    ranks = (lp > chosen).sum(dim=-1) + 1
+    top_vals, top_ids = lp.topk(min(k, lp.shape[1]), dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    tops = [list(zip(ids, vals)) for ids, vals in zip(top_ids.tolist(), top_vals.tolist())]
+    return chosen.squeeze(1).tolist(), ranks.tolist(), tops
 
 
 def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], prompt_ids: list[list[int]],

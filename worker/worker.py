@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 
 import torch
 import zmq
@@ -76,9 +77,14 @@ def load(msg: LoadModel) -> tuple[ModelRunner, WorkerHello]:
         # leave a core to the control plane: OpenMP threads spinning against it slow steps by 100x
         torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     dtype = select_dtype(cfg, model_config, device)
+    log.info("loading weights: %s on %s, %s", model_config.path or "embedded (random)", device, dtype)
+    start = time.monotonic()
     runner = ModelRunner(cfg, device, dtype, model_config)
+    log.info("weights loaded in %.1f s; profiling memory", time.monotonic() - start)
+    num_blocks = max_num_gpu_blocks(runner)
+    log.info("KV budget: %d blocks of %d tokens; measuring swap bandwidth", num_blocks, cfg.block_size)
     hello = WorkerHello(rank=msg.rank, device=str(device), dtype=str(dtype).removeprefix("torch."),
-                        kv_bytes_per_block=runner.kv_bytes_per_block, max_num_gpu_blocks=max_num_gpu_blocks(runner),
+                        kv_bytes_per_block=runner.kv_bytes_per_block, max_num_gpu_blocks=num_blocks,
                         swap_bandwidth=measure_swap_bandwidth(
                             device, (cfg.block_size, model_config.num_key_value_heads, model_config.head_dim), dtype))
     return runner, hello
@@ -151,8 +157,8 @@ def run(address: str) -> None:
                             raise RuntimeError("InitCache before LoadModel")
                         runner.init_cache(msg.num_gpu_blocks, msg.num_cpu_blocks)
                         sock.send(encode(WorkerReady(rank=rank)))
-                except Exception as e:
-                    log.exception("worker start-up failed")
+                except Exception as e:  # the control plane reports it in one line; the trace is for debugging
+                    log.debug("worker start-up failed", exc_info=True)
                     sock.send(encode(WorkerError(message=_one_line(e))))
                     linger_ms = 2000  # let the error reach the control plane before the socket closes
                     sys.exit(1)

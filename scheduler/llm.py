@@ -1,0 +1,246 @@
+"""The offline Python API, shaped like vLLM's: ``LLM(model=...).generate(prompts, sampling_params)``.
+
+`LLM` starts the same `Engine` (control plane + worker process) that ``pagedkv serve`` runs, on an
+event loop in a background thread, so it works from plain scripts and from notebooks that already
+run a loop. `generate` and `chat` block until every request ends and return one `RequestOutput`
+per prompt, in prompt order, with vLLM's attribute names::
+
+    from pagedkv import LLM, SamplingParams
+    llm = LLM(model="../shared/models/stories260K", num_gpu_blocks=256)
+    [out] = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=20))
+    out.outputs[0].text, out.outputs[0].token_ids, out.outputs[0].finish_reason
+    llm.shutdown()  # or `with LLM(...) as llm:`; the worker also stops at interpreter exit
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import threading
+from dataclasses import dataclass, field
+
+from pagedkv.common.config import EngineConfig
+from pagedkv.common.sampling_params import SamplingParams
+
+
+@dataclass
+class Logprob:
+    """One token's log-probability (natural log); ``rank`` is its 1-based rank among the model's
+    alternatives when it is among the top ones returned, else None; ``decoded_token`` its text."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a prompt (vLLM's ``CompletionOutput``).
+
+    logprobs: with ``SamplingParams(logprobs=k)``, one dict per output token mapping token id to
+    `Logprob`: the chosen token and the top k alternatives. finish_reason: "stop" | "length" |
+    "abort" | "error". stop_reason: the stop string or stop token id that ended it, None for EOS
+    or length.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """Everything one prompt produced (vLLM's ``RequestOutput``).
+
+    prompt_logprobs: with ``SamplingParams(prompt_logprobs=k)``, one entry per prompt token: None
+    for the first (nothing precedes it), then a dict of `Logprob` (the prompt token and the top k).
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[dict[int, Logprob] | None] | None
+    outputs: list[CompletionOutput]
+    finished: bool = True
+    num_cached_tokens: int = 0
+    error: str | None = field(default=None, repr=False)
+
+
+class LLM:
+    """An engine for offline generation: ``LLM(model=PATH, **engine_args)``.
+
+    engine_args are `EngineConfig` fields with vLLM's names (``max_model_len``, ``block_size``,
+    ``num_gpu_blocks``, ``gpu_memory_utilization``, ``enable_prefix_caching``, ``seed``,
+    ``dtype``, ``device``, ``chat_template`` as a file or the template itself, ...). model None
+    runs the embedded random-weights model. Raises TypeError for an unknown argument,
+    FileNotFoundError / ValueError for a bad checkpoint, and `WorkerFailed` when the worker cannot
+    start.
+    """
+
+    def __init__(self, model: str | None = None, **engine_args):
+        from pagedkv.scheduler.engine import Engine
+        from pagedkv.scheduler.tokenizer import load_chat_template
+
+        if engine_args.get("chat_template") is not None:
+            engine_args["chat_template"] = load_chat_template(engine_args["chat_template"])
+        config = EngineConfig(model=model, **engine_args)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="pagedkv-llm", daemon=True)
+        self._thread.start()
+        self._counter = 0
+        try:
+            self.engine = self._call(Engine.start(config))
+        except BaseException:
+            self._stop_loop()
+            raise
+        atexit.register(self.shutdown)
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def get_tokenizer(self):
+        """The engine's `scheduler.tokenizer.Tokenizer` (``encode``, ``decode``, ``apply_chat_template``)."""
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete each prompt; returns one `RequestOutput` per prompt, in order.
+
+        prompts: a string, a list of strings, or token-id prompts as ``{"prompt_token_ids": [...]}``
+        (one or a list). sampling_params: one for all prompts or one per prompt (default:
+        ``SamplingParams()``, vLLM's defaults). Raises ValueError("<field>: <why>") for a request the
+        engine cannot serve, before any prompt runs.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        items = []
+        for p in prompts:
+            if isinstance(p, str):
+                items.append((p, self.engine.tokenizer.encode(p)))
+            elif isinstance(p, dict) and "prompt_token_ids" in p:
+                items.append((p.get("prompt"), list(p["prompt_token_ids"])))
+            else:
+                raise TypeError(f"prompts: expected a string or {{'prompt_token_ids': [...]}}, got {p!r:.80}")
+        return self._run(items, sampling_params, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Answer one conversation (a list of {"role", "content"} dicts) or several (a list of them)
+        with the chat template (the checkpoint's, or the ``chat_template`` engine argument).
+
+        Raises ValueError("messages: ...") when there is no chat template or it rejects the messages.
+        """
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        items = []
+        for conv in conversations:
+            text = tok.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt)
+            items.append((text, tok.encode(text, add_special_tokens=False)))  # the template writes BOS
+        return self._run(items, sampling_params, use_tqdm)
+
+    def _run(self, items: list[tuple[str | None, list[int]]], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(items)
+        if len(params) != len(items):
+            raise ValueError(f"sampling_params: {len(params)} given for {len(items)} prompts")
+        return self._call(self._generate_all(items, params, use_tqdm))
+
+    async def _generate_all(self, items, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm import tqdm
+
+        streams = []
+        try:
+            for (text, ids), p in zip(items, params):
+                self._counter += 1
+                rid = str(self._counter)
+                streams.append((rid, text, ids, p, self.engine.add_request(ids, p, rid)))
+        except BaseException:  # one prompt cannot be served: none runs
+            for rid, *_ in streams:
+                self.engine.abort(rid)
+            raise
+        bar = tqdm(total=len(streams), desc="generate", disable=not use_tqdm)
+
+        async def one(rid, text, ids, p, stream) -> RequestOutput:
+            out = await _collect(self.engine, rid, text, ids, p, stream)
+            bar.update(1)
+            return out
+
+        try:
+            return list(await asyncio.gather(*(one(*s) for s in streams)))
+        finally:
+            bar.close()
+
+    def shutdown(self) -> None:
+        """Stop the engine and its worker process (idempotent)."""
+        if getattr(self, "engine", None) is not None and self._loop.is_running():
+            engine, self.engine = self.engine, None
+            self._call(engine.shutdown())
+        self._stop_loop()
+        atexit.unregister(self.shutdown)
+
+    def _stop_loop(self) -> None:
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _logprob_dict(tokenizer, token_id: int, logprob: float, top: list[tuple[int, str, float]]) -> dict[int, Logprob]:
+    """vLLM's per-position dict: the top alternatives (ranked) and the token itself."""
+    d = {t: Logprob(lp, rank, s) for rank, (t, s, lp) in enumerate(top, start=1)}
+    if token_id not in d:
+        d = {token_id: Logprob(logprob, None, tokenizer.token_to_str(token_id)), **d}
+    return d
+
+
+async def _collect(engine, rid: str, text: str | None, ids: list[int], params: SamplingParams,
+                   stream) -> RequestOutput:
+    n = params.n
+    texts = [[] for _ in range(n)]
+    tokens = [[] for _ in range(n)]
+    lps: list[list] = [[] for _ in range(n)]
+    finish: list[str | None] = [None] * n
+    stop: list = [None] * n
+    error, cached, prompt_lps = None, 0, None
+    async for out in stream:
+        if out.prompt_logprobs is not None:
+            prompt_lps = out.prompt_logprobs
+        i = out.index
+        texts[i].append(out.text)
+        tokens[i].extend(out.token_ids)
+        if out.logprobs:
+            lps[i].extend(out.logprobs)
+        cached = max(cached, out.num_cached_tokens)
+        if out.finish_reason is not None:
+            finish[i] = out.finish_reason
+            stop[i] = out.stop_reason
+            error = error or out.error
+    tok = engine.tokenizer
+    outputs = []
+    for i in range(n):
+        logprobs = None
+        if params.logprobs is not None:
+            logprobs = [_logprob_dict(tok, lp.token_id, lp.logprob, lp.top_logprobs) for lp in lps[i]]
+        cumulative = sum(lp.logprob for lp in lps[i]) if params.logprobs is not None else None
+        outputs.append(CompletionOutput(i, "".join(texts[i]), tokens[i], cumulative, logprobs, finish[i], stop[i]))
+    prompt_logprobs = None
+    if params.prompt_logprobs is not None and prompt_lps is not None:
+        prompt_logprobs = [None] + [
+            {lp.token_id: Logprob(lp.logprob, lp.rank, lp.token),
+             **{t: Logprob(v, r, s) for r, (t, s, v) in enumerate(lp.top_logprobs, start=1) if t != lp.token_id}}
+            for lp in prompt_lps[1:]]
+    return RequestOutput(rid, text, ids, prompt_logprobs, outputs, True, cached, error)

@@ -1,0 +1,104 @@
+"""The offline Python API (`from pagedkv import LLM, SamplingParams`) on the real engine and stories260K."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import GOLDEN_COMPLETION, GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT, GOLDEN_PROMPT_IDS
+
+CHAT_TEMPLATE = Path(__file__).parent / "data" / "chat_template.jinja"
+
+
+def test_import_pagedkv_is_light_and_loads_the_api_on_first_use():
+    code = ("import sys, pagedkv; assert 'torch' not in sys.modules and 'pagedkv.scheduler' not in sys.modules; "
+            "from pagedkv import LLM, SamplingParams; assert 'torch' not in sys.modules; print(LLM.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "pagedkv.scheduler.llm\n"
+
+
+@pytest.fixture(scope="module")
+def llm(stories260k):
+    from pagedkv import LLM
+
+    with LLM(model=str(stories260k), device="cpu", num_gpu_blocks=64, swap_space=0.01,
+             chat_template=str(CHAT_TEMPLATE)) as llm:
+        yield llm
+
+
+def test_generate_returns_vllm_shaped_outputs_with_the_golden_text(llm):
+    from pagedkv import SamplingParams
+
+    outs = llm.generate([GOLDEN_PROMPT, {"prompt_token_ids": GOLDEN_PROMPT_IDS}],
+                        SamplingParams(temperature=0, max_tokens=60, logprobs=2), use_tqdm=False)
+    assert [o.prompt for o in outs] == [GOLDEN_PROMPT, None]
+    for out in outs:
+        assert out.prompt_token_ids == GOLDEN_PROMPT_IDS and out.finished
+        [c] = out.outputs
+        assert (c.index, c.text, c.token_ids, c.finish_reason) == (0, GOLDEN_COMPLETION, GOLDEN_OUTPUT_IDS, "length")
+        assert len(c.logprobs) == 60
+        for token, lps in zip(c.token_ids, c.logprobs):  # greedy: the chosen token ranks first
+            assert lps[token].rank == 1 and len(lps) == 2
+            assert lps[token].decoded_token == llm.get_tokenizer().token_to_str(token)
+        assert c.cumulative_logprob == pytest.approx(sum(lps[t].logprob for t, lps in zip(c.token_ids, c.logprobs)))
+
+
+def test_generate_takes_one_sampling_params_per_prompt_and_n(llm):
+    from pagedkv import SamplingParams
+
+    outs = llm.generate(["Once upon a", "Lily"], [SamplingParams(temperature=0, max_tokens=3),
+                                                  SamplingParams(n=3, seed=1, max_tokens=4)], use_tqdm=False)
+    assert outs[0].outputs[0].text == " time, there"
+    assert [c.index for c in outs[1].outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 4 and c.logprobs is None for c in outs[1].outputs)
+
+
+def test_a_request_the_engine_cannot_serve_raises_before_anything_runs(llm):
+    from pagedkv import SamplingParams
+
+    with pytest.raises(ValueError, match=r"max_tokens: prompt \(5 tokens\) \+ max_tokens \(600\) exceeds"):
+        llm.generate(["Once upon a", GOLDEN_PROMPT], [SamplingParams(), SamplingParams(max_tokens=600)],
+                     use_tqdm=False)
+    deadline = time.monotonic() + 10  # the abort of the first prompt applies at the engine's next turn
+    while (snap := llm.engine.kv_cache_snapshot())["requests"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert snap["num_free_blocks"] == 64 and snap["requests"] == []
+
+
+def test_chat_renders_the_template_and_generates_like_the_rendered_prompt(llm):
+    from pagedkv import SamplingParams
+
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    [chat] = llm.chat(messages, params, use_tqdm=False)
+    assert chat.prompt == "<s>user: Tell me a story.\nassistant:"
+    tok = llm.get_tokenizer()
+    [plain] = llm.generate({"prompt_token_ids": tok.encode(chat.prompt, add_special_tokens=False)}, params,
+                           use_tqdm=False)
+    assert chat.prompt_token_ids[0] == tok.bos_token_id and chat.prompt_token_ids.count(tok.bos_token_id) == 1
+    assert chat.outputs[0].text == plain.outputs[0].text and len(chat.outputs[0].token_ids) == 12
+
+
+def test_an_unknown_engine_argument_is_a_type_error():
+    from pagedkv import LLM
+
+    with pytest.raises(TypeError, match="block_sise"):
+        LLM(block_sise=16)
+
+
+def test_prompt_logprobs_and_stop_reason_in_the_offline_outputs(llm):
+    from pagedkv import SamplingParams
+
+    prompt = GOLDEN_PROMPT_IDS + GOLDEN_OUTPUT_IDS[:10]
+    [out] = llm.generate({"prompt_token_ids": prompt},
+                         SamplingParams(temperature=0, max_tokens=60, prompt_logprobs=2, stop=["Lily"]), use_tqdm=False)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == 15
+    for token, lps in zip(prompt[5:], out.prompt_logprobs[5:]):  # the golden tokens are the greedy ones
+        assert lps[token].rank == 1 and len(lps) == 2
+    [c] = out.outputs
+    assert (c.finish_reason, c.stop_reason) == ("stop", "Lily")  # the second "Lily", at the golden's end
+    assert c.text == GOLDEN_COMPLETION[len(", there was a little girl named Lily"):].removesuffix("Lily")

@@ -119,17 +119,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and engine")
     g.add_argument("--model", default=None, metavar="PATH",
                    help="Hugging Face Llama-family checkpoint directory (config.json, *.safetensors, tokenizer.json); "
-<<<<<<< HEAD
                         "default (or empty): a built-in small model with random weights and a byte-level tokenizer")
-=======
-                        "default: a built-in small model with random weights and a byte-level tokenizer")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="names the API answers to; the first is reported in responses (default: the "
                         "checkpoint directory's name)")
     g.add_argument("--chat-template", default=None, metavar="PATH_OR_STRING",
                    help="jinja2 chat template (a file, or the template itself) replacing or supplying the "
                         "checkpoint's; /v1/chat/completions needs one")
->>>>>>> c85aea3 (Real clients work unchanged (issue 13): prompt logprobs and echo, every OpenAI field honoured or refused, --chat-template, the offline LLM API, a CLI that fails fast)
     g.add_argument("--load-format", choices=["auto", "dummy"], default=d.load_format,
                    help="dummy: seeded random weights for the checkpoint's config (benchmarks)")
     g.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=d.dtype,

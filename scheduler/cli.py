@@ -117,7 +117,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
     d = EngineConfig()
     g = p.add_argument_group("model and engine")
-    g.add_argument("--model", default=None, metavar="PATH",
+    g.add_argument("--model", type=lambda s: s or None, default=None, metavar="PATH",  # `--model=`: embedded
                    help="Hugging Face Llama-family checkpoint directory (config.json, *.safetensors, tokenizer.json); "
                         "default (or empty): a built-in small model with random weights and a byte-level tokenizer")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",

@@ -30,7 +30,7 @@ import sys
 import time
 
 from pagedkv.common.config import EngineConfig, ModelConfig, resolve_max_model_len
-from pagedkv.scheduler.bench import (ATTRIBUTION, auto_token_scale, build_requests, load_trace, machine_info, random_prompt,
+from pagedkv.bench.replay import (ATTRIBUTION, auto_token_scale, build_requests, load_trace, machine_info, random_prompt,
                              resolve_trace, run_in_process)
 
 

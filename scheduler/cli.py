@@ -169,9 +169,6 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="seed of dummy weights and of requests without a seed")
     g.add_argument("--attention-backend", choices=["torch", "triton"], default=None,
                    help="paged-attention implementation; default: triton on CUDA, torch on CPU")
-    g.add_argument("--kv-allocator", choices=["paged", "contiguous"], default=d.kv_allocator,
-                   help="paged: PagedAttention blocks (default); contiguous: one run per request reserved "
-                        "for its maximum length at admission, the pre-paging baseline (no sharing, n = 1)")
     g.add_argument("--worker-timeout", type=_float_in(0.0, lo_open=True), default=d.worker_timeout,
                    metavar="SECONDS", help="a worker that does not answer a step within this is declared failed")
     g.add_argument("--worker-address", default=None, metavar="ADDR",
@@ -217,7 +214,7 @@ def _engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         swap_space=args.swap_space, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len, max_n=args.max_n,
         max_logprobs=args.max_logprobs, worker_timeout=args.worker_timeout,
-        attention_backend=args.attention_backend, kv_allocator=args.kv_allocator,
+        attention_backend=args.attention_backend,
         enable_prefix_caching=args.enable_prefix_caching, prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         preemption_mode=args.preemption_mode, scheduling_policy=args.scheduling_policy,
         otlp_traces_endpoint=args.otlp_traces_endpoint)
@@ -368,15 +365,15 @@ def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 # ---- bench ----------------------------------------------------------------------------------
 
 def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from pagedkv.bench import replay
     from pagedkv.common.config import ModelConfig, resolve_max_model_len
-    from pagedkv.scheduler import bench
 
-    bench.check_args(args, parser)
+    replay.check_args(args, parser)
     config = _engine_config(args, parser)
     model = ModelConfig.load(config.model)
     configure_logging(args.log_format, args.log_level)
     try:
-        return bench.main(args, config, resolve_max_model_len(model, args.max_model_len), model.vocab_size)
+        return _run(replay.main(args, config, resolve_max_model_len(model, args.max_model_len), model.vocab_size))
     except ValueError as e:  # a malformed trace file
         parser.error(f"--trace: {e}")
 
@@ -443,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "TIMESTAMP, ContextTokens, GeneratedTokens) against an in-process engine or "
                                        "a running server (--url); write JSON, Markdown and PNG reports.")
     _add_engine_args(bench)
-    importlib.import_module("pagedkv.scheduler.bench").add_arguments(bench)
+    importlib.import_module("pagedkv.bench.replay").add_arguments(bench)
     bench.set_defaults(handler=_cmd_bench, log_level="warning")
 
     from pagedkv.common import capacity

@@ -13,21 +13,19 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from pagedkv.common.config import EngineConfig, ModelConfig, resolve_max_model_len, weight_files
 from pagedkv.common.log import get_logger
 from pagedkv.common.protocol import StepResult
 from pagedkv.common.sampling_params import SamplingParams
 from pagedkv.common.tracing import RequestTracer, make_tracer
-from pagedkv.scheduler.contiguous_allocator import ContiguousAllocator
 from pagedkv.scheduler.kv_cache_manager import KVCacheManager
 from pagedkv.scheduler.metrics import Metrics
 from pagedkv.scheduler.output_processor import OutputProcessor, RequestOutput, RequestStream
 from pagedkv.scheduler.preemption import PreemptionPolicy
-from pagedkv.scheduler.request import RequestStatus
-from pagedkv.scheduler.scheduler import ScheduledStep, Scheduler
-from pagedkv.scheduler.swap import SwapSpace
+from pagedkv.scheduler.request import Request, RequestStatus
+from pagedkv.scheduler.scheduler import KVAllocator, ScheduledStep, Scheduler
 from pagedkv.scheduler.tokenizer import Tokenizer
 from pagedkv.scheduler.worker_client import WorkerClient, WorkerFailed
 
@@ -41,28 +39,22 @@ class Engine:
     """
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, tokenizer: Tokenizer,
-                 client: WorkerClient, num_gpu_blocks: int, num_cpu_blocks: int):
+                 client: WorkerClient, kv: KVAllocator):
         self.config = config
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.client = client
         self.max_model_len = resolve_max_model_len(model_config, config.max_model_len)
         self.random_weights = model_config.path is None or config.load_format == "dummy"
-        self.num_cpu_blocks = num_cpu_blocks
-        if config.kv_allocator == "contiguous":  # the pre-paging baseline, for `pagedkv bench`
-            self.kv = ContiguousAllocator(num_gpu_blocks, config.block_size, self.max_model_len)
-        else:
-            self.kv = KVCacheManager(num_gpu_blocks, config.block_size, config.enable_prefix_caching,
-                                     config.prefix_caching_hash_algo)
-        # swap needs the paged pool's block tables; the contiguous baseline recomputes
-        swap = SwapSpace(num_cpu_blocks, self.kv.pool) if isinstance(self.kv, KVCacheManager) else None
-        policy = PreemptionPolicy(config.preemption_mode, config.scheduling_policy, swap)
+        self.kv = kv
+        policy = PreemptionPolicy(config.preemption_mode, config.scheduling_policy)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, policy)
         # names the API answers to; the first is the one it reports (--served-model-name)
         self.served_model_names = list(config.served_model_name) or [model_config.name]
         self.metrics = Metrics(self.served_model_names[0])
         self.tracer: RequestTracer | None = None
         self.output = OutputProcessor(tokenizer, self.scheduler, self.max_model_len)
+        self.step_hooks: list[Callable[[ScheduledStep], None]] = []  # called after each step's tokens are computed
         self._aborts: set[str] = set()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -70,11 +62,14 @@ class Engine:
 
     @classmethod
     async def start(cls, config: EngineConfig, *, worker_address: str | None = None,
-                    external_worker: bool = False, tracer: RequestTracer | None = None) -> "Engine":
+                    external_worker: bool = False, tracer: RequestTracer | None = None,
+                    kv_allocator: Callable[[int, int, int], KVAllocator] | None = None) -> "Engine":
         """Read the model config and tokenizer, start the worker, size the KV pool, start the loop.
 
-        Raises FileNotFoundError/ValueError for a bad model directory, WorkerFailed when the
-        worker cannot start or load the model.
+        kv_allocator(num_gpu_blocks, num_cpu_blocks, max_model_len): the KV allocator to schedule
+        with (`scheduler.KVAllocator`); default the paged `KVCacheManager`. Benchmarks plug their
+        baselines in here. Raises FileNotFoundError/ValueError for a bad model directory,
+        WorkerFailed when the worker cannot start or load the model.
         """
         # everything that can be checked is checked before a worker starts
         model_config = ModelConfig.load(config.model)
@@ -99,7 +94,13 @@ class Engine:
         except BaseException:
             await client.close()
             raise
-        engine = cls(config, model_config, tokenizer, client, num_gpu_blocks, num_cpu_blocks)
+        max_model_len = resolve_max_model_len(model_config, config.max_model_len)
+        if kv_allocator is None:
+            kv = KVCacheManager(num_gpu_blocks, config.block_size, config.enable_prefix_caching,
+                                config.prefix_caching_hash_algo, num_cpu_blocks)
+        else:
+            kv = kv_allocator(num_gpu_blocks, num_cpu_blocks, max_model_len)
+        engine = cls(config, model_config, tokenizer, client, kv)
         engine.device = hello.device
         engine.scheduler.policy.kv_bytes_per_block = hello.kv_bytes_per_block  # the cost model's inputs
         if hello.swap_bandwidth:
@@ -132,7 +133,7 @@ class Engine:
         """
         if not self.healthy:
             raise RuntimeError(f"engine is not serving: {self._error or 'stopped'}")
-        self._validate(prompt_token_ids, params)
+        self._validate(prompt_token_ids, params, cache_salt)
         request_id = request_id or f"cmpl-{uuid.uuid4().hex}"
         if request_id in self.output.streams:
             raise ValueError(f"request_id: {request_id!r} is already running")
@@ -148,10 +149,8 @@ class Engine:
         self._wake.set()
         return self._iterate(stream)
 
-    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if self.config.kv_allocator == "contiguous" and (params.n > 1 or params.use_beam_search):
-            raise ValueError("n: the contiguous KV allocator cannot share blocks; n > 1 and beam search "
-                             "need --kv-allocator paged")
+    def _validate(self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None) -> None:
+        """Raise ValueError("<field>: <why>") unless the request is well formed and could run alone on an empty pool."""
         params.validate(max_logprobs=self.config.max_logprobs, max_n=self.config.max_n)
         n = len(prompt_token_ids)
         if n == 0:
@@ -166,15 +165,16 @@ class Engine:
                              f"exceeds max_model_len ({self.max_model_len})")
         if params.use_beam_search and params.stop:
             raise ValueError("stop: stop strings are not supported with beam search (EOS and max_tokens end beams)")
-        per_seq = self.kv.blocks_needed(n + params.max_tokens)
-        if params.use_beam_search:
-            need = params.n * per_seq  # beams wait for each other: all must fit unshared
-        else:  # the full blocks before the fork point are shared by all n
-            shared = (n - 1) // self.kv.block_size if params.n > 1 else 0
-            need = shared + params.n * (per_seq - shared)
-        if need > self.kv.num_gpu_blocks:
-            raise ValueError(f"prompt: prompt + max_tokens needs {need} KV blocks but the whole pool "
-                             f"has {self.kv.num_gpu_blocks} (block_size {self.kv.block_size})")
+        if cache_salt is not None and not cache_salt:
+            raise ValueError("cache_salt: must not be empty (omit it to share the prefix cache)")
+        # the group at its longest: the cache holds prompt + max_tokens - 1 tokens (the last sampled
+        # token is never written), n sequences (or beam width) sharing the prompt's blocks
+        group: list[Request] = []
+        longest = prompt_token_ids + [0] * (params.max_tokens - 1)
+        members = [Request(f"check-{i}", prompt_token_ids, params, group=group, index=i) for i in range(params.n)]
+        for m in members:
+            m.token_ids = list(longest)
+        self.scheduler.check_fits(members)
 
     async def _iterate(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
         try:
@@ -203,6 +203,11 @@ class Engine:
                     continue
                 step = self.scheduler.schedule()
                 self._record_preemptions(step)
+                if step.is_empty:  # nothing can run until an arrival, an abort or a finish changes that
+                    self._publish_gauges()
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
                 try:
                     result = await self.client.step(step.plan)
                 except WorkerFailed as e:
@@ -217,6 +222,8 @@ class Engine:
                     continue
                 self.scheduler.policy.prefill.observe(step.plan, result.forward_seconds)
                 self.scheduler.advance(step)
+                for hook in self.step_hooks:
+                    hook(step)
                 self._apply_result(result)
                 self._publish_gauges()
         except Exception as e:  # a bug in the control plane must not leave clients hanging
@@ -225,9 +232,8 @@ class Engine:
 
     def _publish_gauges(self) -> None:
         self.metrics.on_step(len(self.scheduler.running), len(self.scheduler.waiting),
-                             self.kv.usage, self.kv.pool.num_cached_free_blocks)
-        swap = self.scheduler.policy.swap
-        self.metrics.on_host_pool(len(self.scheduler.swapped), swap.usage if swap else 0.0)
+                             self.kv.usage, self.kv.num_cached_free_blocks)
+        self.metrics.on_host_pool(len(self.scheduler.swapped), self.kv.cpu_usage)
 
     def _record_preemptions(self, step: ScheduledStep) -> None:
         """Count, log and trace a step's preemptions (one per preempted sequence), resumptions and swaps."""
@@ -304,14 +310,10 @@ class Engine:
     def kv_cache_snapshot(self) -> dict:
         """JSON-ready state of the block pool and every live request's block table."""
         snap = self.kv.snapshot()
-        snap["num_cpu_blocks"] = self.num_cpu_blocks
-        swap = self.scheduler.policy.swap
-        snap["num_free_cpu_blocks"] = swap.num_free_cpu_blocks if swap else self.num_cpu_blocks
-        snap["cpu_usage"] = swap.usage if swap else 0.0
         snap["num_requests_swapped"] = len(self.scheduler.swapped)
         snap["swapped_requests"] = [
             {"id": r.request_id, "num_computed_tokens": r.num_computed_tokens,
-             "host_block_table": list(swap.host_tables.get(r.request_id, []))}
+             "host_block_table": self.kv.host_block_table(r)}
             for r in self.scheduler.swapped
         ]
         snap["num_requests_running"] = len(self.scheduler.running)

@@ -126,7 +126,8 @@ class OutputProcessor:
         group: list[Request] = []
 
         def member(rid: str, sampling: SamplingParams, index: int) -> Request:
-            req = Request(rid, prompt_token_ids, sampling, arrival_time, priority, cache_salt, group, index)
+            width = params.n if params.use_beam_search else None
+            req = Request(rid, prompt_token_ids, sampling, arrival_time, priority, cache_salt, group, index, width)
             self._register(stream, req)
             return req
 
@@ -228,7 +229,7 @@ class OutputProcessor:
                 continue
             child = Request(f"{stream.request_id}-beam{len(stream.members)}", parent.prompt_token_ids,
                             parent.sampling, stream.arrival_time, parent.priority, parent.cache_salt,
-                            parent.group, len(stream.members))
+                            parent.group, len(stream.members), parent.group_width)
             child.token_ids = bases[parent_id] + [token]
             self._register(stream, child)
             self.scheduler.fork(parent, [child])

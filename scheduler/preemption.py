@@ -1,5 +1,8 @@
 """Preemption policy: which running request gives its blocks up, and how (PagedAttention §4.5).
 
+Decisions only: the policy reads requests and figures and returns a choice; the scheduler carries
+it out through the KV cache manager.
+
 Victim: under ``fcfs`` the most recently admitted running request (the tail of the running queue);
 under ``priority`` the lowest-priority (highest ``priority`` value, as vLLM), latest-arrived one. A
 victim's whole sibling group (n > 1, beam search) is preempted with it: siblings share blocks, and
@@ -28,7 +31,6 @@ import msgspec
 
 from pagedkv.common.protocol import StepPlan
 from pagedkv.scheduler.request import Request
-from pagedkv.scheduler.swap import SwapSpace
 
 # Priors used until the first measurement: a PCIe 4.0 x16 link in practice, and a small model's
 # prefill on one accelerator. They only decide preemptions made before the first prefill step.
@@ -82,21 +84,6 @@ class Resumption(msgspec.Struct):
     time: float
 
 
-def enqueue(queue: deque[Request], req: Request, policy: "PreemptionPolicy", front: bool = False) -> None:
-    """Put ``req`` into the waiting or swapped queue.
-
-    fcfs: at the tail, or at the head when ``front`` (a preempted request goes before newcomers).
-    priority: ordered by (priority, arrival); ``front`` puts it before its equals, else after them.
-    """
-    if policy.scheduling_policy is SchedulingPolicy.FCFS:
-        queue.appendleft(req) if front else queue.append(req)
-        return
-    key = policy.waiting_key(req)
-    at = next((i for i, r in enumerate(queue)
-               if (policy.waiting_key(r) >= key if front else policy.waiting_key(r) > key)), len(queue))
-    queue.insert(at, req)
-
-
 class PrefillThroughput:
     """Tokens per second of recent prefill steps: total tokens / total forward seconds over a window.
 
@@ -126,15 +113,13 @@ class PreemptionPolicy:
 
     kv_bytes_per_block: bytes of one block's K and V across layers (the worker's WorkerHello).
     swap_bandwidth: host<->device copy bandwidth, bytes/s one way (WorkerHello.swap_bandwidth;
-    tests override the attribute). swap: the host pool, or None (no swap: recompute only).
-    Raises ValueError for an unknown mode or scheduling policy.
+    tests override the attribute). Raises ValueError for an unknown mode or scheduling policy.
     """
 
-    def __init__(self, mode: str = "recompute", scheduling_policy: str = "fcfs", swap: SwapSpace | None = None,
+    def __init__(self, mode: str = "recompute", scheduling_policy: str = "fcfs",
                  kv_bytes_per_block: int = 0, swap_bandwidth: float | None = None):
         self.mode = PreemptionMode(mode)
         self.scheduling_policy = SchedulingPolicy(scheduling_policy)
-        self.swap = swap
         self.kv_bytes_per_block = kv_bytes_per_block
         self.swap_bandwidth = swap_bandwidth or DEFAULT_SWAP_BANDWIDTH
         self.prefill = PrefillThroughput()
@@ -150,23 +135,20 @@ class PreemptionPolicy:
             return max(reversed(running), key=lambda r: (r.priority, r.arrival_time))
         return running[-1]
 
-    def waiting_key(self, req: Request) -> tuple:
-        """Order of the waiting and swapped queues under the priority policy: (priority, arrival)."""
-        return (req.priority, req.arrival_time)
-
     # ---- mode -------------------------------------------------------------------------------
 
     def costs(self, group: list[Request]) -> tuple[int, int, float, float]:
         """(distinct blocks, tokens with KV, swap cost s, recompute cost s) of preempting ``group``."""
-        num_blocks = len(SwapSpace.distinct([r.block_table for r in group]))
+        num_blocks = len({b for r in group for b in r.block_table})
         num_tokens = sum(r.num_computed_tokens for r in group)
         swap_s = 2 * num_blocks * self.kv_bytes_per_block / self.swap_bandwidth
         recompute_s = num_tokens / self.prefill.tokens_per_second
         return num_blocks, num_tokens, swap_s, recompute_s
 
-    def decide(self, group: list[Request], reason: str) -> Preemption:
+    def decide(self, group: list[Request], reason: str, num_free_cpu_blocks: int | None) -> Preemption:
         """Choose how to preempt ``group`` (the victim and its live siblings); changes nothing.
 
+        num_free_cpu_blocks: free blocks of the host pool, None when the allocator cannot swap.
         Swap when the mode is ``swap``, or ``auto`` and swap is cheaper; recompute otherwise, and
         also when the host pool cannot take every distinct block of the group (``fallback`` says so).
         """
@@ -175,11 +157,10 @@ class PreemptionPolicy:
         fallback = None
         if want_swap and num_tokens == 0:
             want_swap, fallback = False, "no computed tokens: nothing to keep"
-        elif want_swap and self.swap is None:
-            want_swap, fallback = False, "no host pool (the contiguous allocator cannot swap)"
-        elif want_swap and not self.swap.can_swap_out(group):
-            free = self.swap.num_free_cpu_blocks
-            want_swap, fallback = False, f"host pool full: {num_blocks} blocks needed, {free} free"
+        elif want_swap and num_free_cpu_blocks is None:
+            want_swap, fallback = False, "no host pool (the allocator cannot swap)"
+        elif want_swap and num_blocks > num_free_cpu_blocks:
+            want_swap, fallback = False, f"host pool full: {num_blocks} blocks needed, {num_free_cpu_blocks} free"
         return Preemption(
             request_ids=[r.request_id for r in group], mode="swap" if want_swap else "recompute", reason=reason,
             num_blocks=num_blocks, num_tokens=num_tokens, num_bytes=num_blocks * self.kv_bytes_per_block,

@@ -42,7 +42,7 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                  arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
-                 group: list[Request] | None = None, index: int = 0):
+                 group: list[Request] | None = None, index: int = 0, group_width: int | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)  # prompt + output
@@ -54,6 +54,8 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
         self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # prefix-cache hashes of its full blocks (kept across preemptions)
+        self.num_named_blocks = 0  # leading blocks of block_table already offered to the prefix cache
         self.in_worker = False  # does the worker mirror this request right now?
         self.num_preemptions = 0
         # Sharing (n > 1, beam search): the sibling sequences of one user request share this list,
@@ -61,6 +63,7 @@ class Request:
         self.group: list[Request] = group if group is not None else []
         self.group.append(self)
         self.index = index
+        self._group_width = group_width  # beam search: the beam width (its group grows by forks)
         self.pending_forks: list[Request] = []  # siblings forked once the prompt minus 1 is computed
         self.unsent_token_ids: list[int] = []  # tokens the control plane chose (beam search)
 
@@ -79,6 +82,11 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def group_width(self) -> int:
+        """Sequences of its group that run at once: the beam width, else every sibling (n)."""
+        return self._group_width or len(self.group)
 
     @property
     def fork_point(self) -> int:

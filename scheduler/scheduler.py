@@ -1,30 +1,63 @@
 """The scheduler: continuous batching with FCFS or priority admission, recompute or swap preemption.
 
 Each step spends a token budget of ``max_num_batched_tokens`` across at most ``max_num_seqs``
-requests. Running requests go first, in admission order, each asking for the tokens it has not
-computed yet (1 when decoding, the rest of its prompt when prefilling, in chunks if the budget is
-short). When one cannot get a block, a victim chosen by the policy (FCFS: the most recently
-admitted) is preempted with its siblings — by recompute (its blocks are freed and it returns to the
-head of the waiting queue, to recompute prompt + generated tokens later) or by swap (its blocks move
-to the host pool) — until the blocks suffice or the request itself was the victim.
-If nothing was preempted, swapped-out requests are swapped back in first, then waiting requests
-are admitted first-come first-served while the budget, ``max_num_seqs`` and the free blocks allow.
-Victim and mode (recompute or swap) are `scheduler.preemption` policy; host blocks are
-`scheduler.swap` accounting. A step never swaps both ways: a host block freed by a swap-in could
-be overwritten by a swap-out in the same plan. (PagedAttention, Kwon et al., SOSP 2023, §4.5.)
+running sequences, in three phases, each its own function:
+
+1. running (`_schedule_running`): in admission order, each sibling group (n > 1, beam search; a
+   lone request is a group of one) asks for the tokens it has not computed yet (1 when decoding,
+   the rest of its prompt when prefilling, in chunks if the budget is short). When the free blocks
+   cannot hold a group's step, a victim chosen by the policy is preempted with its siblings — by
+   recompute (its blocks are freed; it waits again at the head of the queue) or by swap (its
+   blocks move to the host pool) — until the blocks suffice or the group itself was the victim.
+2. swapped (`_schedule_swapped`), unless this step preempted: swapped-out groups come back, in
+   queue order, while their blocks and seats fit. A step never swaps both ways: a host block
+   freed by a swap-in could be overwritten by a swap-out in the same plan.
+3. waiting (`_schedule_waiting`), once nobody is swapped out and unless this step preempted:
+   groups are admitted in queue order (FCFS deque or priority heap, `scheduler.request_queue`)
+   while the budget, the seats and the free blocks allow; nobody overtakes the head.
+
+Every block count comes from the allocator's `num_blocks_needed` (`KVCacheManager`'s by default). A request that fits the pool
+alone (the engine's submit check asks the same function) always finishes: an n > 1 group preempted
+by recompute is readmitted as it was first admitted — one leader computes the shared prompt, the
+others fork from it — so its sharing comes back and it needs no more blocks than before.
+(PagedAttention, Kwon et al., SOSP 2023, §4.3-4.5.)
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
+from typing import Protocol
 
 import msgspec
 
 from pagedkv.common.protocol import CachedRequestData, NewRequestData, StepPlan
-from pagedkv.scheduler.kv_cache_manager import KVCacheManager
-from pagedkv.scheduler.preemption import Preemption, PreemptionPolicy, Resumption, enqueue
+from pagedkv.scheduler.preemption import Preemption, PreemptionPolicy, Resumption
 from pagedkv.scheduler.request import Request, RequestStatus
+from pagedkv.scheduler.request_queue import make_queue
+
+
+class KVAllocator(Protocol):
+    """What the scheduler asks of a KV allocator: `KVCacheManager`, or a benchmark's baseline.
+
+    Block counts in blocks, token counts in tokens. ``num_free_cpu_blocks`` is None when the
+    allocator has no host pool (then every preemption is a recompute).
+    """
+
+    block_size: int
+    num_gpu_blocks: int
+    num_free_blocks: int
+    num_free_cpu_blocks: int | None
+
+    def num_blocks_needed(self, steps: list[tuple[Request, int]], *, empty_pool: bool = False) -> int: ...
+    def find_cached_prefix(self, request: Request) -> list: ...
+    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list | None = None) -> list[int] | None: ...
+    def fork(self, parent: Request, child: Request) -> None: ...
+    def free(self, request: Request) -> None: ...
+    def take_pending_copies(self) -> list[tuple[int, int]]: ...
+    def take_replaced_blocks(self, request: Request) -> list[tuple[int, int]]: ...
+    def swap_out(self, group: list[Request]) -> list[tuple[int, int]]: ...
+    def swap_in(self, group: list[Request]) -> list[tuple[int, int]]: ...
+    def free_host(self, request: Request) -> None: ...
 
 
 class ScheduledStep(msgspec.Struct):
@@ -36,22 +69,44 @@ class ScheduledStep(msgspec.Struct):
     preemptions: list[Preemption] = []  # how each group in ``preempted`` was preempted, and why
     resumptions: list[Resumption] = []  # preempted requests that run again in this step
 
+    @property
+    def is_empty(self) -> bool:
+        """Nothing for the worker to do: no tokens, no block moves, no mirror to drop."""
+        p = self.plan
+        return not (self.num_scheduled_tokens or p.blocks_to_swap_out or p.blocks_to_swap_in
+                    or p.blocks_to_copy or p.finished_request_ids)
+
+
+class _Step:
+    """What one `Scheduler.schedule` call has decided so far."""
+
+    def __init__(self, budget: int):
+        self.budget = budget  # tokens left
+        self.num_blocks = 0  # free blocks the chosen running groups take
+        self.chosen: dict[int, tuple[list[tuple[Request, int]], int]] = {}  # id(group) -> (steps, blocks)
+        self.preempted: list[Request] = []
+        self.new_reqs: list[NewRequestData] = []
+        self.cached_reqs: list[CachedRequestData] = []
+        self.num_scheduled: dict[str, int] = {}
+        self.resumptions: list[Resumption] = []
+        self.swaps_in: list[tuple[int, int]] = []
+
 
 class Scheduler:
-    """Owns the waiting and running queues and turns them into step plans."""
+    """Owns the waiting, swapped and running queues and turns them into step plans."""
 
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+    def __init__(self, kv: KVAllocator, max_num_seqs: int, max_num_batched_tokens: int,
                  policy: PreemptionPolicy | None = None):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy or PreemptionPolicy()  # default: FCFS, recompute only
-        self.swapped: deque[Request] = deque()  # swapped out, in resumption order
+        self.waiting = make_queue(self.policy.scheduling_policy.value)
+        self.swapped = make_queue(self.policy.scheduling_policy.value)  # swapped out, in resumption order
+        self.running: list[Request] = []  # admission order
+        self.requests: dict[str, Request] = {}
         self._swaps_out: list[tuple[int, int]] = []  # (device, host) pairs for the next plan
         self._preemptions: list[Preemption] = []
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []  # the worker must drop these mirrors in the next plan
         self._step_id = 0
         self.num_preemptions = 0
@@ -61,246 +116,276 @@ class Scheduler:
         self.requests[request.request_id] = request
         for child in request.pending_forks:
             self.requests[child.request_id] = child
-        enqueue(self.waiting, request, self.policy)
+        self.waiting.add(request)
+
+    # ---- the submit check ----------------------------------------------------------------------
+
+    def check_fits(self, members: list[Request]) -> None:
+        """Raise ValueError unless the sibling group ``members`` could run alone on an empty pool.
+
+        ``members`` are the group's sequences at their longest: prompt plus every output token the
+        cache ever holds (the last sampled token is never written). Within ``max_num_seqs`` (n and
+        beam width count one seat each) and ``num_gpu_blocks`` as `KVCacheManager.num_blocks_needed`
+        counts them, sharing included. The message names the limit.
+        """
+        if members[0].group_width > self.max_num_seqs:
+            raise ValueError(f"n: {members[0].group_width} sequences exceed max_num_seqs ({self.max_num_seqs}); "
+                             "the group runs all at once")
+        need = self.kv.num_blocks_needed([(m, m.num_tokens) for m in members], empty_pool=True)
+        if need > self.kv.num_gpu_blocks:
+            raise ValueError(f"max_tokens: prompt + max_tokens needs {need} KV blocks but the whole pool "
+                             f"has {self.kv.num_gpu_blocks} (num_gpu_blocks, block_size {self.kv.block_size})")
+
+    # ---- one step ------------------------------------------------------------------------------
 
     def schedule(self) -> ScheduledStep:
-        budget = self.max_num_batched_tokens
-        chosen: dict[str, tuple[Request, int, int]] = {}  # id -> (request, tokens, blocks it takes)
-        need = 0  # blocks the chosen requests take
-        preempted: list[Request] = []
-
-        # 1. running requests, oldest admission first. Blocks are counted first and allocated
-        # after, so a preempted group never leaves half-scheduled members behind.
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = self._num_new_tokens(req, budget)
-            if n == 0:  # a beam waiting for its siblings' results
-                i += 1
-                continue
-            blocks = self.kv.num_blocks_to_allocate(req, n)
-            num_preempted = len(preempted)
-            while need + blocks > self.kv.num_free_blocks:
-                victims = self._group_running(self.policy.victim(self.running))
-                for victim in victims:
-                    if (c := chosen.pop(victim.request_id, None)) is not None:
-                        budget += c[1]
-                        need -= c[2]
-                self._preempt_group(victims, f"kv_cache_full: no free block for {req.request_id}")
-                preempted.extend(victims)
-                if req.status != RequestStatus.RUNNING:
-                    break
-            if req.status != RequestStatus.RUNNING:
-                break  # req preempted itself; everything after it is gone too
-            chosen[req.request_id] = (req, n, blocks)
-            budget -= n
-            need += blocks
-            # a group preemption may have removed members before req: find it again (rare)
-            i = i + 1 if len(preempted) == num_preempted else self.running.index(req) + 1
-
-        new_reqs: list[NewRequestData] = []
-        cached_reqs: list[CachedRequestData] = []
-        num_scheduled: dict[str, int] = {}
-        for req, n, _ in chosen.values():
-            new_blocks = self.kv.allocate_slots(req, n)
-            assert new_blocks is not None, "blocks were counted before allocation"
-            num_scheduled[req.request_id] = n
-            if req.in_worker:
-                replaced = self.kv.replaced_blocks.pop(req.request_id, [])
-                cached_reqs.append(CachedRequestData(req.request_id, new_blocks, n, req.unsent_token_ids,
-                                                     replaced))
-                req.unsent_token_ids = []
-            else:  # forked this step (n > 1, beam search): the worker gets it whole
-                new_reqs.append(self._new_request_data(req, n))
-
-        # 2. swap swapped-out requests back in, oldest first, unless this step preempted
-        resumptions: list[Resumption] = []
-        swaps_in: list[tuple[int, int]] = []
-        while not preempted and self.swapped and budget > 0:
-            if (resumed := self._swap_in(self._group_swapped(self.swapped[0]), budget, swaps_in)) is None:
-                break
-            for req, n in resumed:
-                resumptions.append(Resumption(req.request_id, "swap_in", len(req.block_table), time.monotonic()))
-                if n:
-                    num_scheduled[req.request_id] = n
-                    budget -= n
-                    new_reqs.append(self._new_request_data(req, n))
-
-        # 3. admit waiting requests FCFS once nobody is swapped out, unless this step already had
-        # to preempt; a group of siblings is admitted all together or not at all
-        while not preempted and not self.swapped and self.waiting and budget > 0:
-            group = self._group_waiting(self.waiting[0])
-            if len(self.running) + len(group) > self.max_num_seqs:
-                break
-            if len(group) > 1 and sum(self.kv.blocks_needed(m.num_tokens) for m in group) > self.kv.num_free_blocks:
-                break
-            for req in group:
-                hits = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
-                n = self._num_new_tokens(req, budget, len(hits) * self.kv.block_size)
-                if self.kv.allocate_slots(req, n, hits) is None:
-                    break  # only a lone request can fail here: FCFS, nobody overtakes it
-                self.waiting.remove(req)
-                if req.num_preemptions == 0:  # counted once, in the prefix-cache metrics at its first token
-                    req.num_cached_tokens = len(hits) * self.kv.block_size
-                else:
-                    resumptions.append(Resumption(req.request_id, "recompute", len(hits), time.monotonic()))
-                req.status = RequestStatus.RUNNING
-                self.running.append(req)
-                num_scheduled[req.request_id] = n
-                budget -= n
-                new_reqs.append(self._new_request_data(req, n))
-            else:
-                continue
-            break
-
+        """Decide the next step: running groups first, then swap-ins, then admissions."""
+        step = _Step(self.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted:
+            self._schedule_swapped(step)
+        if not step.preempted and not self.swapped:
+            self._schedule_waiting(step)
         self._step_id += 1
-        plan = StepPlan(step_id=self._step_id, new_requests=new_reqs, cached_requests=cached_reqs,
+        plan = StepPlan(step_id=self._step_id, new_requests=step.new_reqs, cached_requests=step.cached_reqs,
                         finished_request_ids=self._finished_ids, blocks_to_swap_out=self._swaps_out,
-                        blocks_to_swap_in=swaps_in, blocks_to_copy=self.kv.take_pending_copies())
+                        blocks_to_swap_in=step.swaps_in, blocks_to_copy=self.kv.take_pending_copies())
         self._finished_ids, self._swaps_out = [], []
         preemptions, self._preemptions = self._preemptions, []
-        return ScheduledStep(plan, num_scheduled, preempted, preemptions, resumptions)
+        return ScheduledStep(plan, step.num_scheduled, step.preempted, preemptions, step.resumptions)
 
-    def _num_new_tokens(self, req: Request, budget: int, num_cached: int = 0) -> int:
-        """Tokens to compute this step: the rest, within the budget; a group leader stops at its fork point."""
-        computed = req.num_computed_tokens + num_cached
-        end = req.fork_point if req.pending_forks else req.num_tokens
-        return max(min(end - computed, budget), 0)
+    def _schedule_running(self, step: _Step) -> None:
+        """Phase 1: every running group gets its tokens, preempting victims while blocks are short.
 
-    def _group_waiting(self, req: Request) -> list[Request]:
-        """``req`` and its siblings in the waiting queue (not those still waiting to be forked)."""
-        if len(req.group) == 1:
-            return [req]
-        queued = set(map(id, self.waiting))
-        return [m for m in req.group if m.status == RequestStatus.WAITING and id(m) in queued]
+        Blocks are counted first and allocated after, so a preempted group never leaves
+        half-scheduled members behind.
+        """
+        i = 0
+        while i < len(self.running) and step.budget > 0:
+            group = self._live(self.running[i], RequestStatus.RUNNING)
+            if id(group[0].group) in step.chosen:
+                i += 1
+                continue
+            steps = self._take_tokens(group, step)
+            need = self.kv.num_blocks_needed(steps)
+            while need > self.kv.num_free_blocks - step.num_blocks:
+                victims = self._live(self.policy.victim(self.running), RequestStatus.RUNNING)
+                if (c := step.chosen.pop(id(victims[0].group), None)) is not None:
+                    step.budget += sum(n for _, n in c[0])
+                    step.num_blocks -= c[1]
+                self._preempt(victims, f"kv_cache_full: no free block for {group[0].request_id}")
+                step.preempted.extend(victims)
+                if victims[0].group is group[0].group:
+                    break
+            if group[0].status != RequestStatus.RUNNING:  # the group preempted itself
+                step.budget += sum(n for _, n in steps)
+                break
+            step.chosen[id(group[0].group)] = (steps, need)
+            step.num_blocks += need
+            i = self.running.index(group[0]) + 1 if step.preempted else i + 1
+        for steps, _ in step.chosen.values():
+            for req, n in steps:
+                if not n:  # a beam waiting for its siblings' results, or the budget ran out
+                    continue
+                new_blocks = self.kv.allocate_slots(req, n)
+                assert new_blocks is not None, "blocks were counted before allocation"
+                step.num_scheduled[req.request_id] = n
+                if req.in_worker:
+                    step.cached_reqs.append(CachedRequestData(req.request_id, new_blocks, n, req.unsent_token_ids,
+                                                              self.kv.take_replaced_blocks(req)))
+                    req.unsent_token_ids = []
+                else:  # forked since its last step (n > 1, beam search): the worker gets it whole
+                    step.new_reqs.append(self._new_request_data(req, n))
+        step.num_blocks = 0  # allocated: from here on the pool's free count tells the rest
 
-    def _group_running(self, req: Request) -> list[Request]:
-        """``req`` and its running siblings: preemption takes a group all or nothing."""
-        return [m for m in req.group if m.status == RequestStatus.RUNNING] or [req]
+    def _schedule_swapped(self, step: _Step) -> None:
+        """Phase 2: swap groups back in, in queue order, while their blocks and seats fit.
+
+        A group that cannot come back even with nothing running gives up its host copy and waits
+        to be recomputed instead.
+        """
+        while self.swapped and step.budget > 0:
+            group = self._live(self.swapped.peek(), RequestStatus.SWAPPED)
+            steps = self._take_tokens(group, step)
+            need = self.kv.num_blocks_needed(steps)
+            if need > self.kv.num_free_blocks or self._seats_taken() + self._seats(group) > self.max_num_seqs:
+                step.budget += sum(n for _, n in steps)
+                if not self.running:
+                    for req in group:
+                        self.swapped.remove(req)
+                        self.kv.free_host(req)
+                        req.num_computed_tokens = 0
+                    self._requeue(group)
+                return
+            step.swaps_in += self.kv.swap_in(group)
+            for req, n in steps:
+                self.swapped.remove(req)
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                if n:
+                    assert self.kv.allocate_slots(req, n) is not None, "blocks were counted before allocation"
+                    step.num_scheduled[req.request_id] = n
+                    step.new_reqs.append(self._new_request_data(req, n))
+                step.resumptions.append(Resumption(req.request_id, "swap_in", len(req.block_table), time.monotonic()))
+
+    def _schedule_waiting(self, step: _Step) -> None:
+        """Phase 3: admit waiting requests in queue order while budget, seats and free blocks allow.
+
+        One request at a time, with seats for the siblings it will fork; nobody overtakes the head.
+        """
+        seats = self._seats_taken()
+        while self.waiting and step.budget > 0:
+            req = self.waiting.peek()
+            req_seats = self._seats([req])
+            if seats + req_seats > self.max_num_seqs:
+                return
+            hits = self.kv.find_cached_prefix(req)
+            end = req.fork_point if req.pending_forks else req.num_tokens
+            n = max(min(end - len(hits) * self.kv.block_size, step.budget), 0)
+            if self.kv.num_blocks_needed([(req, n)]) > self.kv.num_free_blocks:
+                return
+            if self.kv.allocate_slots(req, n, hits) is None:
+                return  # enough free blocks but no run long enough (the contiguous baseline's external fragmentation)
+            self.waiting.remove(req)
+            if req.num_preemptions == 0:  # counted once, in the prefix-cache metrics at its first token
+                req.num_cached_tokens = len(hits) * self.kv.block_size
+            else:
+                step.resumptions.append(Resumption(req.request_id, "recompute", len(hits), time.monotonic()))
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            seats += req_seats
+            step.budget -= n
+            step.num_scheduled[req.request_id] = n  # even 0: a leader whose prefix hits reach its fork point forks
+            step.new_reqs.append(self._new_request_data(req, n))
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def _take_tokens(self, group: list[Request], step: _Step) -> list[tuple[Request, int]]:
+        """Each member's tokens this step, taken from the budget in order (0 once it runs out).
+
+        Tokens to compute: the rest of its tokens; a group leader stops at its fork point.
+        """
+        steps = []
+        for req in group:
+            end = req.fork_point if req.pending_forks else req.num_tokens
+            n = max(min(end - req.num_computed_tokens, step.budget), 0)
+            step.budget -= n
+            steps.append((req, n))
+        return steps
+
+    def _seats_taken(self) -> int:
+        """Seats of ``max_num_seqs`` in use: a running group holds its width (n, or the beam width), forks to come included."""
+        groups = {id(r.group): r.group_width for r in self.running}
+        return sum(groups.values())
+
+    @staticmethod
+    def _seats(group: list[Request]) -> int:
+        """Seats ``group`` takes when it starts running: its width, unless a sibling runs already."""
+        first = group[0]
+        if any(m.status == RequestStatus.RUNNING for m in first.group):
+            return 0
+        return first.group_width
+
+    @staticmethod
+    def _live(req: Request, status: RequestStatus) -> list[Request]:
+        """``req`` and its siblings in ``status``: a group runs, is preempted and resumes together."""
+        return [m for m in req.group if m.status == status] or [req]
 
     def _new_request_data(self, req: Request, n: int) -> NewRequestData:
         req.in_worker = True
         req.unsent_token_ids = []  # the whole token list travels
-        self.kv.replaced_blocks.pop(req.request_id, None)  # the worker gets the whole table
+        self.kv.take_replaced_blocks(req)  # the worker gets the whole table
         return NewRequestData(req.request_id, list(req.token_ids), req.num_prompt_tokens,
                               list(req.block_table), req.num_computed_tokens, n, req.sampling)
 
-    def _preempt(self, req: Request) -> None:
-        """Recompute preemption: free every block, requeue at the head of the waiting queue."""
-        self.running.remove(req)
-        self.kv.free(req)
-        req.status = RequestStatus.WAITING
-        req.num_preemptions += 1
-        self.num_preemptions += 1
-        self._drop_from_worker(req)
-        enqueue(self.waiting, req, self.policy, front=True)
-
-    def _preempt_group(self, group: list[Request], reason: str) -> None:
+    def _preempt(self, group: list[Request], reason: str) -> None:
         """Preempt a victim and its running siblings together, by the mode the policy picks."""
-        decision = self.policy.decide(group, reason)
+        decision = self.policy.decide(group, reason, self.kv.num_free_cpu_blocks)
         self._preemptions.append(decision)
-        if decision.mode == "recompute":
-            for req in group:
-                self._preempt(req)
-            return
-        self._swaps_out += self.policy.swap.swap_out(group)
-        for req in group:  # swap: the blocks went to the host pool; num_computed_tokens stays
+        if decision.mode == "swap":
+            self._swaps_out += self.kv.swap_out(group)  # num_computed_tokens stays: that KV is on the host
+        for req in group:
             self.running.remove(req)
-            self.kv.replaced_blocks.pop(req.request_id, None)  # the worker gets the whole table back
-            req.status = RequestStatus.SWAPPED
+            if decision.mode == "recompute":
+                self.kv.free(req)
+            req.status = RequestStatus.SWAPPED if decision.mode == "swap" else RequestStatus.WAITING
             req.num_preemptions += 1
             self.num_preemptions += 1
             self._drop_from_worker(req)
-            enqueue(self.swapped, req, self.policy, front=True)  # resumed before later arrivals
+        if decision.mode == "swap":
+            for req in reversed(group):
+                self.swapped.prepend(req)  # resumed before later arrivals
+        else:
+            self._requeue(group)
 
-    def _group_swapped(self, req: Request) -> list[Request]:
-        """``req`` and its swapped-out siblings: they went out together and come back together."""
-        return [m for m in req.group if m.status == RequestStatus.SWAPPED] or [req]
+    def _requeue(self, group: list[Request]) -> None:
+        """Put a group preempted by recompute back at the head of the waiting queue.
 
-    def _swap_in(self, group: list[Request], budget: int,
-                 pairs: list[tuple[int, int]]) -> list[tuple[Request, int]] | None:
-        """Swap a group back in and give each member this step's blocks; None when it does not fit.
-
-        Counts first (its host blocks, the blocks its next tokens take, the copy-on-write copies of
-        shared partly filled blocks), so nothing changes unless everything fits. Returns each
-        member with its tokens this step (0 when the budget ran out: it runs next step). A group
-        that cannot fit even with nothing running gives up its host copy and is recomputed instead.
+        With a prompt longer than one token its first member becomes the leader again: it
+        recomputes the shared prompt and the others fork from it (`advance`), so the group shares
+        its prompt blocks as when first admitted.
         """
-        swap, bs = self.policy.swap, self.kv.block_size
-        need = swap.num_blocks_to_swap_in(group)
-        tokens, left, writers = [], budget, {}
         for req in group:
-            n = self._num_new_tokens(req, left)
-            table = swap.host_tables[req.request_id]
-            need += max(self.kv.blocks_needed(req.num_computed_tokens + n) - len(table), 0)
-            if n and (index := req.num_computed_tokens // bs) < len(table):
-                writers[table[index]] = writers.get(table[index], 0) + 1
-            tokens.append(n)
-            left -= n
-        # a block k tables share, written by w of them: min(w, k - 1) copies (the last writer keeps it)
-        need += sum(min(w, swap.host.blocks[h].ref_cnt - 1) for h, w in writers.items())
-        if need > self.kv.num_free_blocks or len(self.running) + len(group) > self.max_num_seqs:
-            if not self.running:
-                for req in group:
-                    self.swapped.remove(req)
-                    swap.free(req)
-                    req.status, req.num_computed_tokens = RequestStatus.WAITING, 0
-                    enqueue(self.waiting, req, self.policy, front=True)
-            return None
-        pairs += swap.swap_in(group)
-        for req, n in zip(group, tokens):
-            self.swapped.remove(req)
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            if n:
-                assert self.kv.allocate_slots(req, n) is not None, "blocks were counted before allocation"
-        return list(zip(group, tokens))
+            req.status = RequestStatus.WAITING
+        leader = group[0]
+        if len(group) > 1 and leader.fork_point > 0:
+            leader.pending_forks = group[1:] + leader.pending_forks
+            group = [leader]
+        for req in reversed(group):
+            self.waiting.prepend(req)
 
     def _drop_from_worker(self, req: Request) -> None:
         if req.in_worker:
             self._finished_ids.append(req.request_id)
             req.in_worker = False
 
+    # ---- applying a step and ending requests ---------------------------------------------------
+
     def advance(self, step: ScheduledStep) -> None:
         """Apply a completed step: each scheduled request computed its scheduled tokens.
 
         A group leader that reached its fork point forks its siblings now: they share its blocks
-        (reference counts up) and each computes the prompt's last token itself next step.
+        (reference counts up) and each computes the rest of its own tokens from there.
         """
         for rid, n in step.num_scheduled_tokens.items():
             req = self.requests.get(rid)
             if req is not None and req.status == RequestStatus.RUNNING:
                 req.num_computed_tokens += n
                 if req.pending_forks and req.num_computed_tokens == req.fork_point:
-                    self.fork(req, req.pending_forks)
-                    req.pending_forks = []
+                    children, req.pending_forks = req.pending_forks, []
+                    self.fork(req, children)
 
     def fork(self, parent: Request, children: list[Request]) -> None:
-        """Start ``children`` from the parent's blocks and progress, right behind it in its queue."""
-        queue = self.running if parent.status == RequestStatus.RUNNING else self.waiting
-        at = list(queue).index(parent) + 1
+        """Start ``children`` from the running parent's blocks and progress, right behind it."""
+        at = self.running.index(parent) + 1
         for k, child in enumerate(children):
             self.kv.fork(parent, child)
-            child.status = parent.status
+            child.status = RequestStatus.RUNNING
             self.requests[child.request_id] = child
-            queue.insert(at + k, child)
+            self.running.insert(at + k, child)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
-        """End a request for good: free its blocks, tell the worker, forget it."""
+        """End a request for good: free its blocks (device and host), tell the worker, forget it."""
         assert status.finished
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status == RequestStatus.SWAPPED:
             self.swapped.remove(req)
-            self.policy.swap.free(req)
+            self.kv.free_host(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+            for child in req.pending_forks:  # its siblings wait on it: the next one leads them
+                child.status = RequestStatus.WAITING
+            if req.pending_forks:
+                heir, *rest = req.pending_forks
+                heir.pending_forks = rest + heir.pending_forks
+                req.pending_forks = []
+                self.waiting.prepend(heir)
         else:  # a sibling not forked yet
             for m in req.group:
                 if req in m.pending_forks:
                     m.pending_forks.remove(req)
         req.status = status
         self.kv.free(req)
-        self.kv.forget(req)
         self._drop_from_worker(req)
         del self.requests[req.request_id]

@@ -146,17 +146,16 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert written.ref_cnt == 1, "a write into a shared block without copy-on-write"
             for src, dst in self.kv.take_pending_copies():
                 assert src in before and src not in req.block_table and dst in req.block_table
-            self.kv.replaced_blocks.pop(req.request_id, None)
+            self.kv.take_replaced_blocks(req)
         else:
             req.token_ids.pop()
-            assert req.block_table == before and not self.kv.pending_copies
+            assert req.block_table == before and not self.kv.take_pending_copies()
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def free_or_preempt(self, data):
         req = self.live.pop(data.draw(st.sampled_from(sorted(self.live))))
         self.kv.free(req)
-        self.kv.forget(req)
 
     @invariant()
     def pool_is_consistent(self):
@@ -178,9 +177,9 @@ def test_fork_shares_every_block_and_the_first_write_copies_only_the_partial_one
     child.token_ids.append(9)
     assert kv.allocate_slots(child, 1) == []
     assert child.block_table == [0, 2] and kv.take_pending_copies() == [(1, 2)]
-    assert kv.replaced_blocks == {"c": [(1, 2)]}
+    assert kv.take_replaced_blocks(child) == [(1, 2)] and kv.take_replaced_blocks(child) == []
     parent.token_ids.append(7)
-    assert kv.allocate_slots(parent, 1) == [] and kv.pending_copies == []  # sole owner now: no copy
+    assert kv.allocate_slots(parent, 1) == [] and kv.take_pending_copies() == []  # sole owner now: no copy
     kv.pool.check_invariants([parent.block_table, child.block_table])
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from pagedkv.common.config import EngineConfig
 from pagedkv.common.sampling_params import SamplingParams
-from pagedkv.scheduler.contiguous_allocator import ContiguousAllocator, ExtentPool
+from pagedkv.bench.contiguous_allocator import ContiguousAllocator, ExtentPool
 from pagedkv.scheduler.engine import Engine
 from pagedkv.scheduler.request import Request
 from conftest import GOLDEN_COMPLETION, GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS, collect
@@ -23,11 +23,11 @@ def tables(*reqs):
 def test_admission_reserves_one_run_for_prompt_plus_max_tokens():
     kv = ContiguousAllocator(num_gpu_blocks=10, block_size=4, max_model_len=100)
     a = req("a", 5, 6)  # 11 tokens -> 3 blocks
-    assert kv.num_blocks_to_allocate(a, 5) == 3
+    assert kv.num_blocks_needed([(a, 5)]) == 3
     assert kv.allocate_slots(a, 5) == [0, 1, 2]
     assert a.block_table == [0, 1, 2] and kv.num_free_blocks == 7
     a.num_computed_tokens = 5
-    assert kv.num_blocks_to_allocate(a, 1) == 0 and kv.allocate_slots(a, 1) == []  # never grows
+    assert kv.num_blocks_needed([(a, 1)]) == 0 and kv.allocate_slots(a, 1) == []  # never grows
     kv.pool.check_invariants(tables(a))
 
 
@@ -83,7 +83,8 @@ def test_no_sharing_no_prefix_cache():
 
 async def test_engine_under_the_contiguous_allocator_reproduces_the_golden(stories260k):
     # 12 blocks of 16 hold one 65-token reservation (5 blocks) twice: requests queue for space
-    engine = await Engine.start(EngineConfig(model=str(stories260k), kv_allocator="contiguous", num_gpu_blocks=12))
+    engine = await Engine.start(EngineConfig(model=str(stories260k), num_gpu_blocks=12),
+                                kv_allocator=ContiguousAllocator.factory(16))
     try:
         greedy = SamplingParams(temperature=0, max_tokens=60)
         results = await asyncio.gather(*[collect(engine.add_request(GOLDEN_PROMPT_IDS, greedy)) for _ in range(5)])

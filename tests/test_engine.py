@@ -98,7 +98,8 @@ async def test_requests_that_can_never_fit_are_rejected_at_once(start):
         engine.add_request([1] * 101, GREEDY)
     with pytest.raises(ValueError, match="^max_tokens: "):
         engine.add_request([1] * 50, SamplingParams(max_tokens=51))
-    with pytest.raises(ValueError, match="^prompt: prompt \\+ max_tokens needs 5 KV blocks but the whole pool has 4"):
+    with pytest.raises(ValueError, match="^max_tokens: prompt \\+ max_tokens needs 5 KV blocks but the whole pool has 4 "
+                                         "\\(num_gpu_blocks, block_size 16\\)"):
         engine.add_request([1] * 60, SamplingParams(max_tokens=10))
     with pytest.raises(ValueError, match="^prompt: must not be empty"):
         engine.add_request([], GREEDY)
@@ -106,7 +107,52 @@ async def test_requests_that_can_never_fit_are_rejected_at_once(start):
         engine.add_request([1, 512], GREEDY)
     with pytest.raises(ValueError, match="^n: "):
         engine.add_request([1, 2], SamplingParams(n=17))
+    with pytest.raises(ValueError, match="^cache_salt: must not be empty"):
+        engine.add_request([1, 2], GREEDY, cache_salt="")
     assert not engine.scheduler.requests
+
+
+async def test_the_submit_check_is_exact_the_last_sampled_token_never_takes_a_slot(start):
+    # 5 + 60 = 65 = 4 x 16 + 1 tokens, but the 60th sampled token is never written: 64 slots, 4 blocks
+    engine = await start(num_gpu_blocks=4)
+    tokens, text, last = await collect(engine.add_request(GOLDEN_PROMPT_IDS, SamplingParams(temperature=0, max_tokens=60)))
+    assert tokens == GOLDEN_OUTPUT_IDS and engine.scheduler.num_preemptions == 0
+    with pytest.raises(ValueError, match="^max_tokens: prompt \\+ max_tokens needs 5 KV blocks"):
+        engine.add_request(GOLDEN_PROMPT_IDS, SamplingParams(max_tokens=61))
+    assert_all_blocks_free(engine)
+
+
+async def test_n_or_beam_width_above_max_num_seqs_is_rejected_naming_the_limit(start):
+    engine = await start(max_num_seqs=2)
+    for params in (SamplingParams(n=3), SamplingParams(n=3, use_beam_search=True)):
+        with pytest.raises(ValueError, match="^n: 3 sequences exceed max_num_seqs \\(2\\)"):
+            engine.add_request(GOLDEN_PROMPT_IDS, params)
+    outs = [o async for o in engine.add_request(GOLDEN_PROMPT_IDS, SamplingParams(n=2, max_tokens=4))]
+    assert {o.index for o in outs if o.finish_reason == "length"} == {0, 1}
+    assert_all_blocks_free(engine)
+
+
+async def test_the_loop_sleeps_instead_of_sending_empty_plans_when_nothing_can_run(start):
+    engine = await start()
+    plans = []
+    step = engine.client.step
+
+    async def counting(plan):
+        plans.append(plan)
+        return await step(plan)
+
+    engine.client.step = counting
+    stream = engine.add_request(GOLDEN_PROMPT_IDS, SamplingParams(max_tokens=4))
+    engine.scheduler.max_num_seqs = 0  # before the loop sees it: nothing can be admitted, no seat
+    for _ in range(50):
+        await asyncio.sleep(0.01)
+    assert plans == [] and len(engine.scheduler.waiting) == 1  # asleep, not spinning on empty steps
+    engine.scheduler.max_num_seqs = 8
+    engine.abort(stream_id := next(iter(engine.output.streams)))  # an abort wakes it
+    _, _, last = await collect(stream)
+    assert last.finish_reason == "abort" and stream_id not in engine.output.streams
+    assert [p.finished_request_ids for p in plans] == []  # the request never reached the worker
+    assert_all_blocks_free(engine)
 
 
 async def test_a_dead_worker_fails_requests_in_flight_with_a_clear_error(start):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 
 import pytest
 
@@ -11,13 +10,12 @@ from pagedkv.common.config import EngineConfig
 from pagedkv.common.protocol import CachedRequestData, NewRequestData, StepPlan
 from pagedkv.common.sampling_params import SamplingParams
 from conftest import GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS, collect, metric, run_step
-from pagedkv.scheduler.block_pool import BlockPool
 from pagedkv.scheduler.engine import Engine
 from pagedkv.scheduler.kv_cache_manager import KVCacheManager
-from pagedkv.scheduler.preemption import DEFAULT_PREFILL_THROUGHPUT, PreemptionPolicy, PrefillThroughput, enqueue
+from pagedkv.scheduler.preemption import DEFAULT_PREFILL_THROUGHPUT, PreemptionPolicy, PrefillThroughput
 from pagedkv.scheduler.request import Request
+from pagedkv.scheduler.request_queue import make_queue
 from pagedkv.scheduler.scheduler import Scheduler
-from pagedkv.scheduler.swap import SwapSpace
 
 SP = SamplingParams(max_tokens=8)
 
@@ -53,33 +51,37 @@ def test_unknown_mode_or_policy_is_an_error():
 
 
 def test_priority_queue_orders_by_priority_then_arrival_and_preempted_go_before_their_equals():
-    policy = PreemptionPolicy(scheduling_policy="priority")
-    q: deque[Request] = deque()
+    q = make_queue("priority")
     for r in [req("a", 1, 1.0), req("b", 0, 2.0), req("c", 1, 0.5), req("d", 0, 2.0)]:
-        enqueue(q, r, policy)
+        q.add(r)
     assert [r.request_id for r in q] == ["b", "d", "c", "a"]
-    enqueue(q, req("e", 0, 2.0), policy, front=True)
-    assert [r.request_id for r in q] == ["e", "b", "d", "c", "a"]
-    fcfs = PreemptionPolicy()
-    q2: deque[Request] = deque()
+    e = req("e", 0, 2.0)
+    q.prepend(e)
+    assert [r.request_id for r in q] == ["e", "b", "d", "c", "a"] and q.peek() is e and len(q) == 5
+    q.remove(e)
+    assert q.peek().request_id == "b" and e not in q
+    with pytest.raises(ValueError, match="not queued"):
+        q.remove(e)
+    q2 = make_queue("fcfs")
     for r in [req("x", 9), req("y", 0)]:
-        enqueue(q2, r, fcfs)
-    enqueue(q2, req("z"), fcfs, front=True)
-    assert [r.request_id for r in q2] == ["z", "x", "y"]
+        q2.add(r)
+    q2.prepend(req("z"))
+    assert [r.request_id for r in q2] == ["z", "x", "y"] and q2.peek().request_id == "z"
+    with pytest.raises(ValueError, match="scheduling_policy must be"):
+        make_queue("lifo")
 
 
 # ---- the cost model --------------------------------------------------------------------------
 
 def test_costs_follow_bytes_over_bandwidth_and_tokens_over_prefill_throughput():
-    device = BlockPool(8)
-    policy = PreemptionPolicy("auto", swap=SwapSpace(8, device), kv_bytes_per_block=1000, swap_bandwidth=1e6)
+    policy = PreemptionPolicy("auto", kv_bytes_per_block=1000, swap_bandwidth=1e6)
     victim = req("v", blocks=[0, 1, 2], computed=40)
     assert policy.costs([victim]) == (3, 40, 2 * 3000 / 1e6, 40 / DEFAULT_PREFILL_THROUGHPUT)
-    d = policy.decide([victim], "kv_cache_full: test")
+    d = policy.decide([victim], "kv_cache_full: test", num_free_cpu_blocks=8)
     assert (d.mode, d.num_blocks, d.num_tokens, d.num_bytes, d.fallback) == ("recompute", 3, 40, 3000, None)
     assert (d.swap_cost_s, d.recompute_cost_s) == (0.006, 0.004)
     policy.swap_bandwidth = 1e7  # swap 0.0006 s < recompute 0.004 s
-    assert policy.decide([victim], "r").mode == "swap"
+    assert policy.decide([victim], "r", 8).mode == "swap"
 
 
 def test_shared_blocks_of_a_group_count_once():
@@ -89,17 +91,16 @@ def test_shared_blocks_of_a_group_count_once():
 
 
 def test_swap_falls_back_to_recompute_when_the_host_pool_is_full_or_there_is_nothing_to_keep():
-    device = BlockPool(8)
-    policy = PreemptionPolicy("swap", swap=SwapSpace(2, device), kv_bytes_per_block=10)
+    policy = PreemptionPolicy("swap", kv_bytes_per_block=10)
     big = req("big", blocks=[0, 1, 2], computed=30)
-    d = policy.decide([big], "r")
+    d = policy.decide([big], "r", num_free_cpu_blocks=2)
     assert (d.mode, d.fallback) == ("recompute", "host pool full: 3 blocks needed, 2 free")
-    assert policy.decide([req("small", blocks=[3, 4], computed=20)], "r").mode == "swap"
-    d = policy.decide([req("fresh", blocks=[5], computed=0)], "r")
+    assert policy.decide([req("small", blocks=[3, 4], computed=20)], "r", 2).mode == "swap"
+    d = policy.decide([req("fresh", blocks=[5], computed=0)], "r", 2)
     assert (d.mode, d.fallback) == ("recompute", "no computed tokens: nothing to keep")
-    d = PreemptionPolicy("swap", swap=None).decide([big], "r")
-    assert (d.mode, d.fallback) == ("recompute", "no host pool (the contiguous allocator cannot swap)")
-    assert PreemptionPolicy("recompute", swap=SwapSpace(8, device)).decide([big], "r").mode == "recompute"
+    d = policy.decide([big], "r", num_free_cpu_blocks=None)
+    assert (d.mode, d.fallback) == ("recompute", "no host pool (the allocator cannot swap)")
+    assert PreemptionPolicy("recompute").decide([big], "r", 8).mode == "recompute"
 
 
 def _plan(new_tokens=(), cached_tokens=(), swap_out=(), swap_in=()):
@@ -170,7 +171,7 @@ async def test_auto_swaps_when_the_link_is_fast_and_recomputes_when_it_is_slow(s
         recomputes = metric(engine, "pagedkv:num_preemptions_total", mode="recompute")
         assert recomputes > 0 and swaps + recomputes == engine.scheduler.num_preemptions
         assert engine.kv.num_free_blocks == 12
-        assert policy.swap.num_free_cpu_blocks == policy.swap.num_cpu_blocks
+        assert engine.kv.num_free_cpu_blocks == engine.kv.swap.num_cpu_blocks > 0
     finally:
         await engine.shutdown()
 

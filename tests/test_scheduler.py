@@ -63,7 +63,7 @@ def test_the_newest_running_request_is_preempted_and_requeued_at_the_head():
     assert [v.request_id for v in step.preempted] == ["new"]
     new = s.requests["new"]
     assert new.status == RequestStatus.WAITING and new.block_table == [] and new.num_computed_tokens == 0
-    assert s.waiting[0] is new and new.num_preemptions == 1
+    assert s.waiting.peek() is new and new.num_preemptions == 1
     assert step.plan.finished_request_ids == ["new"]  # the worker drops its mirror in this step
 
 
@@ -103,3 +103,55 @@ def test_prefix_hits_skip_cached_tokens_in_the_prefill():
     nr = step.plan.new_requests[0]
     assert (nr.num_computed_tokens, nr.num_scheduled_tokens) == (8, 2)
     assert s.requests["b"].num_cached_tokens == 8
+
+
+# ---- requests that fit always finish (the hangs of issue 9) ----------------------------------------
+
+def group(rid, prompt, n, max_tokens):
+    """A leader and its n - 1 siblings, forked at the prompt's last token (as the engine builds them)."""
+    lead = Request(f"{rid}-0", prompt, SamplingParams(max_tokens=max_tokens))
+    lead.pending_forks = [Request(f"{rid}-{i}", prompt, SamplingParams(max_tokens=max_tokens), group=lead.group,
+                                  index=i) for i in range(1, n)]
+    return lead
+
+
+def run_to_end(s, max_steps=300):
+    """Run steps until every request finished; returns the steps. Fails when they never do."""
+    preempted = []
+    for k in range(max_steps):
+        if not s.requests:
+            return k, preempted
+        preempted += [r.request_id for r in run_step(s).preempted]
+    raise AssertionError(f"not finished after {max_steps} steps: {list(s.requests.values())}")
+
+
+def test_a_sibling_group_preempted_by_recompute_comes_back_sharing_its_prompt_and_finishes():
+    # 7 blocks of 4: the n = 2 group needs 1 shared + 2 x 3 = 7 blocks at its longest, 'x' 5; they
+    # cannot run together, so the group is preempted. Counted without its sharing (as before), the
+    # group needed 8 blocks to come back and never did: everything waited behind it for ever.
+    s = make(num_blocks=7, block_size=4)
+    s.add(Request("x", [9] * 4, SamplingParams(max_tokens=16)))
+    s.add(group("g", [1] * 5, n=2, max_tokens=10))
+    steps, preempted = run_to_end(s)
+    assert sorted(set(preempted)) == ["g-0", "g-1"]
+    assert s.kv.num_free_blocks == 7
+    s.kv.pool.check_invariants([])
+
+
+def test_a_lone_n2_request_that_fits_the_pool_never_preempts_itself():
+    # prompt 6 tokens, block 4: both siblings write the prompt's last token into the shared partial
+    # block; one copy (n - 1), not two. 3 blocks hold the whole group: 1 shared + 2 own.
+    s = make(num_blocks=3, block_size=4)
+    s.add(group("g", [1] * 6, n=2, max_tokens=3))
+    steps, preempted = run_to_end(s)
+    assert preempted == [] and s.num_preemptions == 0 and s.kv.num_free_blocks == 3
+
+
+def test_running_never_exceeds_max_num_seqs_when_a_leader_forks():
+    s = make(max_num_seqs=3)
+    s.add(group("g", [1] * 5, n=3, max_tokens=4))
+    s.add(Request("x", [2] * 3, SamplingParams(max_tokens=4)))
+    seen = []
+    while s.requests:
+        run_step(s, check=lambda step: seen.append(len(s.running)))
+    assert max(seen) == 3

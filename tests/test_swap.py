@@ -96,8 +96,8 @@ def test_dropping_a_swapped_request_frees_its_host_blocks():
 # ---- the scheduler: swap-out and swap-in in the plans --------------------------------------
 
 def make(num_blocks=4, num_cpu_blocks=8, block_size=4, mode="swap", max_num_batched_tokens=64):
-    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
-    policy = PreemptionPolicy(mode, "fcfs", SwapSpace(num_cpu_blocks, kv.pool), kv_bytes_per_block=1024)
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False, num_cpu_blocks=num_cpu_blocks)
+    policy = PreemptionPolicy(mode, "fcfs", kv_bytes_per_block=1024)
     return Scheduler(kv, 8, max_num_batched_tokens, policy)
 
 
@@ -115,7 +115,7 @@ def test_the_victim_is_swapped_out_whole_and_resumes_where_it_stopped():
     assert step.plan.blocks_to_swap_out == [(1, 0), (3, 1)] and step.plan.blocks_to_swap_in == []
     assert step.plan.finished_request_ids == ["new"]
     assert (new.status, new.block_table, new.num_computed_tokens) == (RequestStatus.SWAPPED, [], 8)
-    assert list(s.swapped) == [new] and s.policy.swap.host_tables == {"new": [0, 1]}
+    assert list(s.swapped) == [new] and s.kv.swap.host_tables == {"new": [0, 1]}
     (p,) = step.preemptions
     assert (p.request_ids, p.mode, p.num_blocks, p.num_tokens, p.num_bytes, p.fallback) == (["new"], "swap", 2, 8, 2048, None)
     assert p.reason == "kv_cache_full: no free block for old"
@@ -133,9 +133,9 @@ def test_the_victim_is_swapped_out_whole_and_resumes_where_it_stopped():
     while s.requests:
         plans.append(run_step(s).plan)
     assert all(not (p.blocks_to_swap_in and p.blocks_to_swap_out) for p in plans)
-    assert s.kv.num_free_blocks == 4 and s.policy.swap.num_free_cpu_blocks == 8 and not s.swapped
+    assert s.kv.num_free_blocks == 4 and s.kv.swap.num_free_cpu_blocks == 8 and not s.swapped
     s.kv.pool.check_invariants([])
-    s.policy.swap.check_invariants()
+    s.kv.swap.check_invariants()
 
 
 def test_swapped_requests_resume_before_waiting_requests_are_admitted():
@@ -163,12 +163,12 @@ def test_a_victim_too_big_for_the_host_pool_is_recomputed():
     assert (p.mode, p.fallback) == ("recompute", "host pool full: 2 blocks needed, 1 free")
     assert step.plan.blocks_to_swap_out == []
     new = s.requests["new"]
-    assert (new.status, new.num_computed_tokens, s.waiting[0]) == (RequestStatus.WAITING, 0, new)
+    assert (new.status, new.num_computed_tokens, s.waiting.peek()) == (RequestStatus.WAITING, 0, new)
     resumes = []
     while s.requests:
         resumes += run_step(s).resumptions
     assert [(r.request_id, r.mode) for r in resumes] == [("new", "recompute")]
-    assert s.kv.num_free_blocks == 4 and s.policy.swap.num_free_cpu_blocks == 1
+    assert s.kv.num_free_blocks == 4 and s.kv.swap.num_free_cpu_blocks == 1
 
 
 def test_aborting_a_swapped_request_frees_its_host_blocks():
@@ -180,8 +180,8 @@ def test_aborting_a_swapped_request_frees_its_host_blocks():
     new = s.requests["new"]
     assert new.status == RequestStatus.SWAPPED
     s.finish(new, RequestStatus.FINISHED_ABORTED)
-    assert not s.swapped and s.policy.swap.num_free_cpu_blocks == 8 and s.policy.swap.host_tables == {}
-    s.policy.swap.check_invariants()
+    assert not s.swapped and s.kv.swap.num_free_cpu_blocks == 8 and s.kv.swap.host_tables == {}
+    s.kv.swap.check_invariants()
 
 
 def test_a_sibling_group_swaps_out_and_in_together_keeping_its_shared_blocks():
@@ -205,7 +205,7 @@ def test_a_sibling_group_swaps_out_and_in_together_keeping_its_shared_blocks():
     (p,) = out.preemptions
     assert (p.mode, sorted(p.request_ids), p.num_blocks, p.num_tokens) == ("swap", ["a", "b"], 3, 16)
     assert out.plan.blocks_to_swap_out == [(1, 0), (4, 1), (2, 2)]  # the shared block 1 moves once
-    assert s.policy.swap.host_tables == {"a": [0, 1], "b": [0, 2]}
+    assert s.kv.swap.host_tables == {"a": [0, 1], "b": [0, 2]}
     swapped_in = []
 
     def check(step):
@@ -218,9 +218,9 @@ def test_a_sibling_group_swaps_out_and_in_together_keeping_its_shared_blocks():
     while s.requests:
         run_step(s, check=check)
     assert len(swapped_in) == 1 and len(swapped_in[0]) == 3
-    assert s.kv.num_free_blocks == 6 and s.policy.swap.num_free_cpu_blocks == 8
+    assert s.kv.num_free_blocks == 6 and s.kv.swap.num_free_cpu_blocks == 8
     s.kv.pool.check_invariants([])
-    s.policy.swap.check_invariants()
+    s.kv.swap.check_invariants()
 
 
 # ---- the engine end to end on stories260K ----------------------------------------------------
@@ -233,7 +233,7 @@ async def test_sixteen_requests_swapped_on_a_tiny_pool_are_all_golden_and_every_
     assert engine.kv_cache_snapshot()["num_cpu_blocks"] == int(0.01 * 2**30) // STORIES_BLOCK_BYTES == 524
     results = await asyncio.gather(*[collect(engine.add_request(GOLDEN_PROMPT_IDS, GREEDY)) for _ in range(16)])
     assert all(tokens == GOLDEN_OUTPUT_IDS and text == GOLDEN_COMPLETION for tokens, text, _ in results)
-    swap = engine.scheduler.policy.swap
+    swap = engine.kv.swap
     swaps = metric(engine, "pagedkv:num_preemptions_total", mode="swap")
     assert swaps == engine.scheduler.num_preemptions > 0
     assert metric(engine, "pagedkv:num_preemptions_total", mode="recompute") == 0

@@ -14,7 +14,8 @@ pagedkv's control plane so both can be measured on the same trace, memory, model
 
 Its waste is then the paper's: reservation (slots held for tokens not generated yet), internal
 fragmentation (slots never filled) and external fragmentation (free blocks in runs too short for
-the next request). `KVCacheManager` is the paged allocator with the same duck-typed interface.
+the next request). It plugs into the scheduler through `scheduler.scheduler.KVAllocator`, as the
+paged `KVCacheManager` does; `pagedkv bench --kv-allocator contiguous` runs it.
 """
 
 from __future__ import annotations
@@ -133,8 +134,15 @@ class ContiguousAllocator:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.pool = ExtentPool(num_gpu_blocks)
-        self.pending_copies: list[tuple[int, int]] = []  # always empty: nothing is shared
-        self.replaced_blocks: dict[str, list[tuple[int, int]]] = {}
+
+    num_free_cpu_blocks = None  # no host pool: every preemption is a recompute
+    num_cached_free_blocks = 0
+    cpu_usage = 0.0
+
+    @classmethod
+    def factory(cls, block_size: int):
+        """The `Engine.start` ``kv_allocator`` argument: (num_gpu_blocks, num_cpu_blocks, max_model_len) -> allocator."""
+        return lambda num_gpu_blocks, _num_cpu_blocks, max_model_len: cls(num_gpu_blocks, block_size, max_model_len)
 
     @property
     def num_gpu_blocks(self) -> int:
@@ -148,7 +156,7 @@ class ContiguousAllocator:
     def usage(self) -> float:
         return self.pool.usage
 
-    def blocks_needed(self, num_tokens: int) -> int:
+    def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def reserved_tokens(self, request: Request) -> int:
@@ -157,15 +165,23 @@ class ContiguousAllocator:
 
     def reservation_blocks(self, request: Request) -> int:
         """Blocks of the run a request gets at admission (at least what it has already)."""
-        return self.blocks_needed(max(self.reserved_tokens(request), request.num_tokens))
+        return self.blocks_for(max(self.reserved_tokens(request), request.num_tokens))
 
     def find_cached_prefix(self, request: Request) -> list:
         """Always empty: the baseline has no prefix caching."""
         return []
 
-    def num_blocks_to_allocate(self, request: Request, num_new_tokens: int) -> int:
-        """Free blocks `allocate_slots` would take: the whole run at admission, else 0."""
-        return 0 if request.block_table else self.reservation_blocks(request)
+    def num_blocks_needed(self, steps: list[tuple[Request, int]], *, empty_pool: bool = False) -> int:
+        """Free blocks `allocate_slots` takes for ``steps``: each new request's whole run, 0 for a running one.
+
+        empty_pool: the submit check (runs for requests with no blocks). Raises ValueError for more
+        than one sequence: this allocator cannot share blocks (n > 1, beam search).
+        Blocks are counted, not placed: a free total that fits may still lack a long enough run.
+        """
+        if empty_pool and len(steps) > 1:
+            raise ValueError("n: the contiguous KV allocator cannot share blocks; n > 1 and beam search "
+                             "need the paged allocator")
+        return sum(self.reservation_blocks(r) for r, _ in steps if empty_pool or not r.block_table)
 
     def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list | None = None) -> list[int] | None:
         """Reserve the request's run at admission (first fit); afterwards nothing to do.
@@ -178,7 +194,7 @@ class ContiguousAllocator:
         if cached_blocks:
             raise ValueError("the contiguous allocator has no prefix cache")
         if request.block_table:
-            if self.blocks_needed(request.num_computed_tokens + num_new_tokens) > len(request.block_table):
+            if self.blocks_for(request.num_computed_tokens + num_new_tokens) > len(request.block_table):
                 raise RuntimeError(f"request {request.request_id!r} outgrew its contiguous reservation of "
                                    f"{len(request.block_table)} blocks")
             return []
@@ -193,12 +209,8 @@ class ContiguousAllocator:
         """Give the request's run back whole; its progress resets (as for a recompute preemption)."""
         if request.block_table:
             self.pool.free_run(request.block_table[0], len(request.block_table))
-        self.replaced_blocks.pop(request.request_id, None)
         request.block_table = []
         request.num_computed_tokens = 0
-
-    def forget(self, request: Request) -> None:
-        """Nothing to drop: the baseline keeps no per-request bookkeeping beyond the table."""
 
     def fork(self, parent: Request, child: Request) -> None:
         """Not supported: sharing blocks between requests is what paging adds.
@@ -207,10 +219,26 @@ class ContiguousAllocator:
         allocator before they get here.
         """
         raise NotImplementedError("the contiguous KV allocator cannot share blocks (n > 1, beam search); "
-                                  "use --kv-allocator paged")
+                                  "use the paged allocator")
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """Always []: without sharing there is no copy-on-write."""
+        return []
+
+    def take_replaced_blocks(self, request: Request) -> list[tuple[int, int]]:
+        """Always []: without sharing there is no copy-on-write."""
+        return []
+
+    def swap_out(self, group: list[Request]) -> list[tuple[int, int]]:
+        """Not supported (no host pool; ``num_free_cpu_blocks`` is None, so the policy never asks)."""
+        raise NotImplementedError("the contiguous KV allocator has no host pool")
+
+    swap_in = swap_out
+
+    def free_host(self, request: Request) -> None:
+        """Nothing to free: nothing is ever swapped out."""
+
+    def host_block_table(self, request: Request) -> list[int]:
         return []
 
     def snapshot(self) -> dict:
@@ -230,4 +258,7 @@ class ContiguousAllocator:
             "prefix_caching": False,
             "free_runs": self.pool.free_runs(),
             "block_ref_counts": refs,
+            "num_cpu_blocks": 0,
+            "num_free_cpu_blocks": 0,
+            "cpu_usage": 0.0,
         }

@@ -90,7 +90,7 @@ def sample_engine(engine, t: float, output_len: dict[str, int] | None = None) ->
                for r in sched.requests.values() if r.block_table and r.status.value != "swapped"]
     need = 0
     if sched.waiting:
-        need = kv.reservation_blocks(sched.waiting[0]) if hasattr(kv, "reservation_blocks") else 1
+        need = kv.reservation_blocks(sched.waiting.peek()) if hasattr(kv, "reservation_blocks") else 1
     runs = (lambda: [n for _, n in kv.pool.free_runs()]) if hasattr(kv.pool, "free_runs") else (lambda: [])
     return account_kv(t, kv.block_size, kv.num_gpu_blocks, kv.num_free_blocks, holders, runs, need,
                       len(sched.running), len(sched.waiting))

@@ -8,8 +8,13 @@ the trace's README prescribes. Arrivals follow the trace's timestamps (times ``-
 Poisson process at ``--request-rate``.
 
 KV token-state accounting (token state, reservation, internal and external fragmentation): see
-`scheduler.kv_accounting`; it is sampled after every engine step (in-process) or by polling
-``/kv_cache`` (``--url``).
+`bench.kv_accounting`; it is sampled after every engine step through the engine's step hooks
+(in-process) or by polling ``/kv_cache`` (``--url``). ``--kv-allocator contiguous`` plugs the
+pre-paging baseline (`bench.contiguous_allocator`) into the engine in place of the paged one.
+
+The benchmark is a measurement tool beside the server, not part of it: it drives the engine
+through its public interface (`Engine.start`, `add_request`, ``step_hooks``) and the CLI calls it
+(``pagedkv bench``); nothing in the serving path imports it.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from pagedkv.scheduler.kv_accounting import (KVSample, running_stats, sample_engine, sample_snapshot, step_time_fit,
+from pagedkv.bench.contiguous_allocator import ContiguousAllocator
+from pagedkv.bench.kv_accounting import (KVSample, running_stats, sample_engine, sample_snapshot, step_time_fit,
                                      summarize_kv)
 
 TRACE_NAMES = {"conv": "AzureLLMInferenceTrace_conv.csv", "code": "AzureLLMInferenceTrace_code.csv"}
@@ -235,30 +241,34 @@ def summarize_run(records: list[RequestRecord], samples: list[KVSample], num_pre
     }
 
 
-async def run_in_process(config, requests: list[BenchRequest], *, seed: int = 0, progress: bool = True,
-                         desc: str = "bench", account_kv_every_step: bool = True) -> dict:
-    """Start an engine with ``config`` (an EngineConfig), replay ``requests``, shut it down.
+ALLOCATORS = ("paged", "contiguous")
 
-    The KV pool is accounted after every engine step (the scheduler's ``advance`` is wrapped for
-    the run) unless ``account_kv_every_step`` is False (pure throughput runs). Returns
-    `summarize_run`'s dict plus the engine's setup and the samples.
+
+async def run_in_process(config, requests: list[BenchRequest], *, kv_allocator: str = "paged", seed: int = 0,
+                         progress: bool = True, desc: str = "bench", account_kv_every_step: bool = True) -> dict:
+    """Start an engine with ``config`` (an EngineConfig) and ``kv_allocator``, replay ``requests``, shut it down.
+
+    The KV pool is accounted after every engine step (an engine step hook) unless
+    ``account_kv_every_step`` is False (pure throughput runs). Returns `summarize_run`'s dict plus
+    the engine's setup and the samples. Raises ValueError for an unknown allocator.
     """
     from pagedkv.common.sampling_params import SamplingParams
     from pagedkv.scheduler.engine import Engine
 
-    engine = await Engine.start(config)
+    if kv_allocator not in ALLOCATORS:
+        raise ValueError(f"kv_allocator must be one of {ALLOCATORS}, got {kv_allocator!r}")
+    engine = await Engine.start(config, kv_allocator=ContiguousAllocator.factory(config.block_size)
+                                if kv_allocator == "contiguous" else None)
     try:
         loop = asyncio.get_running_loop()
         samples: list[KVSample] = []
         clock = {"start": loop.time()}
-        advance = engine.scheduler.advance
 
-        def advance_and_sample(step):  # after the step's tokens are computed, before finished requests free
-            advance(step)
+        def sample(step):  # after the step's tokens are computed, before finished requests free
             samples.append(sample_engine(engine, loop.time() - clock["start"], output_len))
 
         if account_kv_every_step:
-            engine.scheduler.advance = advance_and_sample
+            engine.step_hooks.append(sample)
         rng = random.Random(seed)
         prompts = [random_prompt(rng, r.prompt_len, engine.model_config.vocab_size) for r in requests]
         output_len = {f"bench-{r.index}": r.output_len for r in requests if r.output_len < r.max_tokens}
@@ -284,7 +294,7 @@ async def run_in_process(config, requests: list[BenchRequest], *, seed: int = 0,
         for s in samples:  # sample times relative to the first submission
             s.t -= start - clock["start"]
         summary = summarize_run(records, samples, engine.scheduler.num_preemptions - preemptions0)
-        summary["setup"] = {"kv_allocator": config.kv_allocator, "block_size": engine.kv.block_size,
+        summary["setup"] = {"kv_allocator": kv_allocator, "block_size": engine.kv.block_size,
                             "num_gpu_blocks": engine.kv.num_gpu_blocks, "max_model_len": engine.max_model_len,
                             "max_num_seqs": config.max_num_seqs,
                             "max_num_batched_tokens": config.max_num_batched_tokens,
@@ -532,6 +542,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-tokens", type=lambda s: _int_pos(s), default=None, metavar="TOKENS",
                    help="KV pool size in tokens (sets --num-gpu-blocks to TOKENS / block size): the same memory "
                         "across allocators and block sizes")
+    g.add_argument("--kv-allocator", choices=ALLOCATORS, default="paged",
+                   help="contiguous: the pre-paging baseline (one run per request, reserved for its maximum length)")
     g.add_argument("--compare-allocators", action="store_true",
                    help="run paged and contiguous on the same requests and memory; report the ratios")
     g.add_argument("--repeats", type=lambda s: _int_pos(s), default=1,
@@ -580,13 +592,12 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
             parser.error("plots need matplotlib (pip install 'pagedkv[bench]'), or pass --no-plots")
 
 
-def main(args: argparse.Namespace, config, max_model_len: int, vocab_size: int) -> int:
+async def main(args: argparse.Namespace, config, max_model_len: int, vocab_size: int) -> int:
     """Run the benchmark described by ``args`` (engine settings in ``config``); write the reports.
 
-    Returns 0, or 1 when any request failed.
+    The runs go one after the other on the caller's event loop (``pagedkv bench`` runs it on
+    uvloop, as ``pagedkv serve``). Returns 0, or 1 when any request failed.
     """
-    from pagedkv.scheduler.cli import _run  # the CLI runs us; uvloop as `pagedkv serve` does
-
     import msgspec
 
     path = resolve_trace(args.trace)
@@ -617,15 +628,15 @@ def main(args: argparse.Namespace, config, max_model_len: int, vocab_size: int) 
     progress = not args.no_progress
     runs: dict[str, dict] = {}
     if args.url:
-        runs["server"] = _run(run_against_url(args.url, requests, vocab_size, seed=args.seed,
-                                                     poll_interval=args.poll_interval, progress=progress))
+        runs["server"] = await run_against_url(args.url, requests, vocab_size, seed=args.seed,
+                                               poll_interval=args.poll_interval, progress=progress)
     elif args.compare_allocators:
         repeats = []
         for i in range(args.repeats):  # alternate the order, so load drift on the machine hits both alike
             pair = {}
             for alloc in ("paged", "contiguous") if i % 2 == 0 else ("contiguous", "paged"):
-                pair[alloc] = _run(run_in_process(engine_config(kv_allocator=alloc), requests, seed=args.seed,
-                                                  progress=progress, desc=f"{alloc} {i + 1}/{args.repeats}"))
+                pair[alloc] = await run_in_process(engine_config(), requests, kv_allocator=alloc, seed=args.seed,
+                                                   progress=progress, desc=f"{alloc} {i + 1}/{args.repeats}")
             repeats.append(pair)
         runs.update(repeats[0])
         if args.repeats > 1:
@@ -633,11 +644,12 @@ def main(args: argparse.Namespace, config, max_model_len: int, vocab_size: int) 
                          for alloc in ("paged", "contiguous")})
     elif args.block_size_sweep:
         for bs in args.block_size_sweep:
-            runs[f"block_size={bs}"] = _run(run_in_process(engine_config(block_size=bs), requests, seed=args.seed,
-                                                           progress=progress, desc=f"block {bs}"))
+            runs[f"block_size={bs}"] = await run_in_process(engine_config(block_size=bs), requests,
+                                                             kv_allocator=args.kv_allocator, seed=args.seed,
+                                                             progress=progress, desc=f"block {bs}")
     else:
-        runs[config.kv_allocator] = _run(run_in_process(engine_config(), requests, seed=args.seed,
-                                                        progress=progress, desc=config.kv_allocator))
+        runs[args.kv_allocator] = await run_in_process(engine_config(), requests, kv_allocator=args.kv_allocator,
+                                                       seed=args.seed, progress=progress, desc=args.kv_allocator)
     report = {"workload": workload, "runs": runs, "attribution": ATTRIBUTION,
               "machine": machine_info()}
     if args.compare_allocators:

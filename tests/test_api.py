@@ -68,12 +68,15 @@ async def sse_events(resp: aiohttp.ClientResponse) -> list[str]:
 
 
 async def wait_all_blocks_free(http, timeout: float = 10.0) -> dict:
+    """Poll /kv_cache until no request is left and every block is free; fail the test if that takes over ``timeout`` s."""
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
         snap = await (await http.get("/kv_cache")).json()
-        if (snap["num_free_blocks"] == NUM_GPU_BLOCKS and not snap["requests"]) or \
-                asyncio.get_running_loop().time() > deadline:
+        if snap["num_free_blocks"] == NUM_GPU_BLOCKS and not snap["requests"] and snap["block_ref_counts"] == {}:
             return snap
+        if asyncio.get_running_loop().time() > deadline:
+            pytest.fail(f"blocks still held after {timeout} s: {snap['num_free_blocks']} of {NUM_GPU_BLOCKS} free, "
+                        f"requests {[r['id'] for r in snap['requests']]}")
         await asyncio.sleep(0.05)
 
 
@@ -248,6 +251,8 @@ BAD_REQUESTS = [
     ("stream-options-without-stream", {"stream_options": {"include_usage": True}}, "stream_options"),
     ("seed-negative", {"seed": -1}, "seed"),
     ("stop-token-outside-vocab", {"stop_token_ids": [9999]}, "stop_token_ids"),
+    ("cache-salt-empty", {"cache_salt": ""}, "cache_salt"),
+    ("group-larger-than-the-pool", {"n": 16, "max_tokens": 400, "ignore_eos": True}, "max_tokens"),
 ]
 
 

@@ -83,10 +83,9 @@ def test_flags_map_onto_engine_config(stories260k):
     assert (args.host, args.port) == ("127.0.0.1", 8000)
 
 
-def test_capacity_subcommand_exists_exactly_when_its_module_does():
+def test_every_subcommand_is_there():
     subcommands = build_parser()._subparsers._group_actions[0].choices
-    assert ("capacity" in subcommands) == (importlib.util.find_spec("pagedkv.common.capacity") is not None)
-    assert {"serve", "generate", "worker"} <= set(subcommands)
+    assert set(subcommands) == {"serve", "generate", "worker", "bench", "capacity"}
 
 
 # ---- generate (subprocesses: the real engine and worker) --------------------------------------
@@ -127,9 +126,9 @@ def test_generate_rejects_an_invalid_request_with_status_2(stories260k):
 class Server:
     """`pagedkv serve --port 0 --log-format json` in a subprocess; reads its "serving" log line."""
 
-    def __init__(self, *flags: str):
+    def __init__(self, *flags: str, cwd: Path = REPO):
         self.proc = subprocess.Popen([*PAGEDKV, "serve", "--port", "0", "--log-format", "json", *flags],
-                                     stderr=subprocess.PIPE, text=True, cwd=REPO)
+                                     stderr=subprocess.PIPE, text=True, cwd=cwd)
         self.events: list[dict] = []
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -175,6 +174,20 @@ def test_serve_real_model_then_sigterm_shuts_down_cleanly(stories260k):
         code, events = server.stop(signal.SIGTERM)
     assert code == 0
     assert "shutting down" in [e["event"] for e in events]
+
+
+def test_serve_started_among_common_worker_kernels_scheduler_py_serves_the_golden(stories260k, tmp_path):
+    # `python -m` puts the current directory first on sys.path, for the CLI and for the worker it spawns
+    from test_packaging import write_shadows
+
+    write_shadows(tmp_path)
+    server = Server("--model", str(stories260k), *SMALL_POOL, cwd=tmp_path)
+    try:
+        body = server.post("/v1/completions", {"prompt": GOLDEN_PROMPT, "max_tokens": 60, "temperature": 0})
+        assert body["choices"][0]["text"] == GOLDEN_COMPLETION
+    finally:
+        code, _ = server.stop(signal.SIGTERM)
+    assert code == 0
 
 
 def test_serve_embedded_default_with_an_external_worker_says_weights_are_random(tmp_path):

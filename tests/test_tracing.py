@@ -46,7 +46,8 @@ def test_otlp_endpoint_gets_the_traces_path_only_when_it_has_none(monkeypatch):
     assert _traces_url("http://collector:4318/custom/traces") == "http://collector:4318/custom/traces"
     monkeypatch.delenv("OTEL_TRACES_EXPORTER", raising=False)
     tracer = make_tracer("http://127.0.0.1:9")  # exporting is lazy: nothing is sent until spans end
-    assert tracer is not None
+    [processor] = tracer.provider._active_span_processor._span_processors
+    assert processor.span_exporter._endpoint == "http://127.0.0.1:9/v1/traces"
     tracer.shutdown()
 
 

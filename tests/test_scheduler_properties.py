@@ -1,0 +1,344 @@
+"""Property test: the real engine, scheduler and KV cache manager against a fake worker.
+
+Random workloads (n 1-8, beam width 1-4, prompt and output lengths, pools down to one request's
+worth, max_num_seqs, swap space on and off, every preemption mode, both scheduling policies,
+prefix caching on and off, random aborts) run through `Engine` with a worker that samples random
+tokens and keeps a model of the KV pool's contents, slot by slot. After every step:
+
+- every block table, reference count and host table is consistent (`check_invariants`);
+- the worker reads back, for every position a request attends to, the very token that request has
+  there (sharing, prefix hits, copy-on-write, swaps and recomputes never mix up KV);
+- running <= max_num_seqs;
+- no preemption when the next tokens of every running request fit the free blocks;
+- every accepted request finishes within a bounded number of steps without progress, and the loop
+  never sleeps while a request is left;
+- at the end every device and host block is free.
+
+And the submit check's verdict equals what the scheduler can do alone on an empty pool: an accepted
+request runs to its last token alone without a preemption; a rejected n-sampling request cannot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import random
+import time
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pagedkv.common.config import EngineConfig, ModelConfig
+from pagedkv.common.protocol import SampledToken, StepPlan, StepResult
+from pagedkv.common.sampling_params import SamplingParams
+from pagedkv.scheduler.engine import Engine
+from pagedkv.scheduler.kv_cache_manager import KVCacheManager
+from pagedkv.scheduler.request import RequestStatus
+from pagedkv.scheduler.tokenizer import Tokenizer
+
+MODEL = ModelConfig.load(None)  # the embedded byte-level model: vocab 258, EOS 257
+TOKENIZER = Tokenizer.load(MODEL)
+EOS = 257
+MAX_STEPS_WITHOUT_PROGRESS = 200
+
+
+class Violation(AssertionError):
+    pass
+
+
+class FakeWorker:
+    """Executes plans as the real worker does, on a model of the KV pool: slot -> (token, position)."""
+
+    def __init__(self, engine_ref: list, block_size: int, seed: int, eos_rate: float):
+        self.engine_ref = engine_ref
+        self.bs = block_size
+        self.rng = random.Random(seed)
+        self.eos_rate = eos_rate
+        self.mirror: dict[str, list] = {}  # request id -> [token_ids, num_prompt, block_ids, computed, sampling]
+        self.device: dict[int, tuple[int, int]] = {}
+        self.host: dict[int, tuple[int, int]] = {}
+        self.steps = 0
+        self.steps_without_progress = 0
+        self.on_step = None  # test hook: called with the plan before it runs
+
+    def _move(self, src: dict, dst: dict, pairs) -> None:
+        for s, d in pairs:
+            for off in range(self.bs):
+                if (s * self.bs + off) in src:
+                    dst[d * self.bs + off] = src[s * self.bs + off]
+                else:
+                    dst.pop(d * self.bs + off, None)
+
+    async def step(self, plan: StepPlan) -> StepResult:
+        await asyncio.sleep(0)
+        self.steps += 1
+        if self.on_step is not None:
+            self.on_step(plan)
+        for rid in plan.finished_request_ids:
+            self.mirror.pop(rid, None)
+        scheduled = []
+        for new in plan.new_requests:
+            self.mirror[new.request_id] = [list(new.token_ids), new.num_prompt_tokens, list(new.block_ids),
+                                           new.num_computed_tokens, new.sampling]
+            scheduled.append((new.request_id, new.num_scheduled_tokens))
+        for c in plan.cached_requests:
+            m = self.mirror[c.request_id]
+            for index, block in c.replaced_block_ids:
+                m[2][index] = block
+            m[2].extend(c.new_block_ids)
+            m[0].extend(c.new_token_ids)
+            scheduled.append((c.request_id, c.num_scheduled_tokens))
+        self._move(self.device, self.host, plan.blocks_to_swap_out)
+        self._move(self.host, self.device, plan.blocks_to_swap_in)
+        self._move(dict(self.device), self.device, plan.blocks_to_copy)
+        sampled, progress = [], False
+        for rid, n in scheduled:
+            if n == 0:
+                continue
+            tokens, num_prompt, blocks, begin, sampling = self.mirror[rid]
+            end = begin + n
+            if end > len(tokens) or len(blocks) * self.bs < end:
+                raise Violation(f"{rid}: {n} tokens from {begin} but {len(tokens)} known, {len(blocks)} blocks")
+            for pos in range(begin, end):
+                self.device[blocks[pos // self.bs] * self.bs + pos % self.bs] = (tokens[pos], pos)
+            for pos in range(end):  # attention reads every earlier position of this request
+                got = self.device.get(blocks[pos // self.bs] * self.bs + pos % self.bs)
+                if got != (tokens[pos], pos):
+                    raise Violation(f"{rid}: KV at position {pos} holds {got}, expected {(tokens[pos], pos)}")
+            self.mirror[rid][3] = end
+            if end == len(tokens):
+                progress = True
+                if sampling.use_beam_search:
+                    top = [(t, -0.1 * (i + 1) - self.rng.random()) for i, t in
+                           enumerate(self.rng.sample(range(256), sampling.logprobs))]
+                    top.sort(key=lambda p: -p[1])
+                    sampled.append(SampledToken(rid, top[0][0], top[0][1], top))
+                else:
+                    token = EOS if self.rng.random() < self.eos_rate else self.rng.randrange(256)
+                    tokens.append(token)
+                    sampled.append(SampledToken(rid, token, None, None))
+        self.steps_without_progress = 0 if progress else self.steps_without_progress + 1
+        if self.steps_without_progress > MAX_STEPS_WITHOUT_PROGRESS:
+            raise Violation(f"{MAX_STEPS_WITHOUT_PROGRESS} steps without a sampled token")
+        return StepResult(step_id=plan.step_id, sampled=sampled)
+
+    async def close(self) -> None:
+        pass
+
+
+class WatchedEvent(asyncio.Event):
+    """The engine loop's wake-up event, recording when the loop sleeps on it."""
+
+    sleeping = False
+
+    async def wait(self):
+        self.sleeping = True
+        try:
+            return await super().wait()
+        finally:
+            self.sleeping = False
+
+
+def make_engine(cfg: EngineConfig, num_gpu_blocks: int, num_cpu_blocks: int, seed: int, eos_rate: float):
+    ref: list = []
+    worker = FakeWorker(ref, cfg.block_size, seed, eos_rate)
+    kv = KVCacheManager(num_gpu_blocks, cfg.block_size, cfg.enable_prefix_caching, "sha256", num_cpu_blocks)
+    engine = Engine(cfg, MODEL, TOKENIZER, worker, kv)
+    engine._wake = WatchedEvent()
+    ref.append(engine)
+    return engine, worker
+
+
+def check_step_invariants(engine: Engine, worker: FakeWorker, plan: StepPlan) -> None:
+    s, kv = engine.scheduler, engine.kv
+    if len(s.running) > s.max_num_seqs:
+        raise Violation(f"{len(s.running)} running > max_num_seqs {s.max_num_seqs}")
+    kv.pool.check_invariants([r.block_table for r in s.requests.values()])
+    kv.swap.check_invariants()
+
+
+def running_fits(engine: Engine) -> bool:
+    """Whether every running request's remaining tokens fit the free blocks: allocate them on a copy."""
+    s = engine.scheduler
+    kv, running = copy.deepcopy((s.kv, s.running))
+    for req in running:
+        end = req.fork_point if req.pending_forks else req.num_tokens
+        if end > req.num_computed_tokens and kv.allocate_slots(req, end - req.num_computed_tokens) is None:
+            return False
+    return True
+
+
+def watch_schedule(engine: Engine, worker: FakeWorker) -> None:
+    """Check each step as it is decided: no preemption when everything running fits."""
+    schedule = engine.scheduler.schedule
+
+    def checked():
+        fits = running_fits(engine)
+        step = schedule()
+        if fits and step.preempted:
+            raise Violation(f"preempted {[r.request_id for r in step.preempted]} although everything running fit")
+        check_step_invariants(engine, worker, step.plan)
+        return step
+
+    engine.scheduler.schedule = checked
+
+
+async def drive(engine: Engine, worker: FakeWorker, arrivals: list, aborts: dict[int, list[str]]) -> dict:
+    """Submit ``arrivals`` [(step, id, prompt, params)] and abort ids at their steps; run until all end.
+
+    Returns request id -> "rejected" | the finish reason of its last delta.
+    """
+    outcome: dict[str, str] = {}
+    consumers = []
+
+    async def consume(rid, stream):
+        async for out in stream:
+            if out.finish_reason is not None and out.index == 0:
+                outcome[rid] = out.finish_reason
+
+    def submit(due: int) -> None:
+        for step, rid, prompt, params in arrivals:
+            if step == due:
+                try:
+                    stream = engine.add_request(prompt, params, rid)
+                except ValueError:
+                    outcome[rid] = "rejected"
+                    continue
+                consumers.append(asyncio.create_task(consume(rid, stream)))
+        for rid in aborts.get(due, []):
+            engine.abort(rid)
+
+    last_due = max([a[0] for a in arrivals] + list(aborts) + [0])
+    hook = worker.on_step
+    worker.on_step = lambda plan: (hook(plan) if hook else None, submit(worker.steps))
+    engine._task = asyncio.create_task(engine._loop())
+    submit(0)
+    while True:
+        await asyncio.sleep(0)
+        if engine._task.done():
+            engine._task.result()
+            raise Violation(f"engine loop ended: {engine._error}")
+        if engine._error is not None:
+            raise Violation(engine._error)
+        if engine._wake.sleeping and not engine._wake.is_set():
+            if engine.scheduler.requests:
+                raise Violation(f"the loop sleeps with {len(engine.scheduler.requests)} requests left")
+            if worker.steps >= last_due:
+                break
+            worker.steps += 1  # idle: let time pass for the next arrival
+            submit(worker.steps)
+    await asyncio.gather(*consumers)
+    engine._task.cancel()
+    return outcome
+
+
+def assert_all_blocks_back(engine: Engine) -> None:
+    kv = engine.kv
+    assert not engine.scheduler.requests and not engine.output.streams
+    assert kv.num_free_blocks == kv.num_gpu_blocks and kv.num_free_cpu_blocks == kv.swap.num_cpu_blocks
+    kv.pool.check_invariants([])
+    kv.swap.check_invariants()
+
+
+def solo_need(bs: int, prompt_len: int, max_tokens: int, n: int) -> int:
+    """Blocks a group needs alone at its longest, written out independently of the code under test."""
+    per_seq = -(-(prompt_len + max_tokens - 1) // bs)
+    shared = (prompt_len - 1) // bs if n > 1 and prompt_len > 1 else 0
+    return shared + n * (per_seq - shared)
+
+
+request_st = st.tuples(
+    st.integers(1, 12),  # prompt length
+    st.integers(1, 10),  # max_tokens
+    st.integers(1, 8),  # n
+    st.booleans(),  # beam search (width = min(n, 4))
+    st.integers(0, 2),  # priority
+    st.booleans(),  # shares the first request's prompt (prefix hits)
+)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=st.data(),
+       requests=st.lists(request_st, min_size=1, max_size=6),
+       block_size=st.sampled_from([1, 2, 4]),
+       pool_factor=st.floats(1.0, 2.5),
+       max_num_seqs=st.integers(1, 8),
+       budget=st.integers(2, 32),
+       num_cpu_blocks=st.sampled_from([0, 4, 64]),
+       mode=st.sampled_from(["recompute", "swap", "auto"]),
+       policy=st.sampled_from(["fcfs", "priority"]),
+       prefix=st.booleans(),
+       eos_rate=st.sampled_from([0.0, 0.2]),
+       seed=st.integers(0, 2**16))
+def test_random_workloads_finish_and_give_every_block_back(data, requests, block_size, pool_factor, max_num_seqs,
+                                                          budget, num_cpu_blocks, mode, policy, prefix, eos_rate, seed):
+    rng = random.Random(seed)
+    base = [rng.randrange(256) for _ in range(12)]
+    arrivals, specs = [], {}
+    for i, (plen, max_tokens, n, beam, prio, shared) in enumerate(requests):
+        width = min(n, 4) if beam else n
+        prompt = base[:plen] if shared else [rng.randrange(256) for _ in range(plen)]
+        params = SamplingParams(n=width, max_tokens=max_tokens, use_beam_search=beam, ignore_eos=eos_rate == 0)
+        rid = f"r{i}"
+        arrivals.append((data.draw(st.integers(0, 6), label=f"arrival {rid}"), rid, prompt, params))
+        specs[rid] = (prompt, params)
+    biggest = max(solo_need(block_size, len(p), sp.max_tokens, sp.n) for p, sp in specs.values())
+    num_gpu_blocks = max(1, int(biggest * pool_factor))
+    aborts: dict[int, list[str]] = {}
+    for rid in data.draw(st.lists(st.sampled_from(sorted(specs)), max_size=2, unique=True), label="aborted"):
+        aborts.setdefault(data.draw(st.integers(0, 30), label=f"abort step {rid}"), []).append(rid)
+    cfg = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                       preemption_mode=mode, scheduling_policy=policy, enable_prefix_caching=prefix, max_n=8,
+                       max_model_len=64)
+
+    async def main():
+        engine, worker = make_engine(cfg, num_gpu_blocks, num_cpu_blocks, seed, eos_rate)
+        engine.scheduler.policy.kv_bytes_per_block = 1000
+        watch_schedule(engine, worker)
+        outcome = await drive(engine, worker, arrivals, aborts)
+        assert_all_blocks_back(engine)
+        return outcome
+
+    outcome = asyncio.run(main())
+    aborted = {rid for rids in aborts.values() for rid in rids}
+    for rid, (prompt, params) in specs.items():
+        assert rid in outcome, f"{rid} never finished"
+        if outcome[rid] != "rejected" and rid not in aborted:
+            assert outcome[rid] in ("stop", "length"), (rid, outcome[rid])
+        verdict_ok = outcome[rid] != "rejected"
+        assert verdict_ok == (params.n <= max_num_seqs and
+                              solo_need(block_size, len(prompt), params.max_tokens, params.n) <= num_gpu_blocks)
+        solo = asyncio.run(run_alone(cfg, num_gpu_blocks, num_cpu_blocks, prompt, params, seed))
+        if verdict_ok:
+            assert solo == "finished", f"{rid} was accepted but alone on an empty pool it {solo}"
+        elif not params.use_beam_search:
+            assert solo != "finished", f"{rid} was rejected but alone on an empty pool it finished"
+
+
+async def run_alone(cfg, num_gpu_blocks, num_cpu_blocks, prompt, params, seed) -> str:
+    """Run one request to its last token (no EOS) alone on an empty pool, past the submit check.
+
+    Returns "finished" when it ends without a preemption, else what stopped it.
+    """
+    params = SamplingParams(n=params.n, max_tokens=params.max_tokens, use_beam_search=params.use_beam_search,
+                            ignore_eos=True)
+    engine, worker = make_engine(cfg, num_gpu_blocks, num_cpu_blocks, seed, 0.0)
+    stream, members = engine.output.add("solo", prompt, params, time.monotonic())
+    for req in members:
+        engine.scheduler.add(req)
+    engine._task = asyncio.create_task(engine._loop())
+    try:
+        while True:
+            await asyncio.sleep(0)
+            if not engine.scheduler.requests:
+                break
+            if engine.scheduler.num_preemptions:
+                return "was preempted"
+            if engine._task.done() or (engine._wake.sleeping and not engine._wake.is_set()):
+                return "could not be scheduled"
+            if worker.steps > 400:
+                return "did not finish"
+        return "finished"
+    finally:
+        engine._task.cancel()

@@ -118,15 +118,15 @@ class KVCacheManager:
         need = 0
         taken_hits: set[int] = set()  # free cached blocks a hit takes, each once
         host_blocks: set[int] = set()  # host blocks a swap-in brings back, each once
-        writers: dict[tuple[str, int], int] = {}  # (pool, shared block) -> writers in this step
-        refs: dict[tuple[str, int], int] = {}
+        writers: dict[tuple[str, int], list[int]] = {}  # (pool, shared block) -> [writers, ref count]
         forked: dict[int, int] = {}  # id(group) -> blocks the first waiting member shares with its siblings
         for req, n in steps:
-            if req.status == RequestStatus.SWAPPED and not empty_pool:
+            status = req.status
+            if status is RequestStatus.RUNNING and not empty_pool:  # the hot path: once per running request
+                table, pool, kind = req.block_table, self.pool, "device"
+            elif status is RequestStatus.SWAPPED and not empty_pool:
                 table, pool, kind = self.swap.host_tables[req.request_id], self.swap.host, "host"
                 host_blocks.update(table)
-            elif req.status == RequestStatus.RUNNING and not empty_pool:
-                table, pool, kind = req.block_table, self.pool, "device"
             else:  # waiting: blocks from scratch, after its prefix hits
                 hits = [] if empty_pool else self.find_cached_prefix(req)
                 taken_hits.update(b.block_id for b in hits if b.ref_cnt == 0)
@@ -137,16 +137,21 @@ class KVCacheManager:
                         num_shared = max(num_shared, forked[key])
                     else:
                         forked[key] = req.fork_point // bs
-                need += max(self.blocks_for(len(hits) * bs + n) - num_shared, 0)
+                need += max(-(-(len(hits) * bs + n) // bs) - num_shared, 0)
                 continue
-            need += max(self.blocks_for(req.num_computed_tokens + n) - len(table), 0)
-            index = req.num_computed_tokens // bs
-            if n and index < len(table) and pool.blocks[table[index]].ref_cnt > 1:
-                key = (kind, table[index])
-                writers[key] = writers.get(key, 0) + 1
-                refs[key] = pool.blocks[table[index]].ref_cnt
+            computed = req.num_computed_tokens
+            grow = -(-(computed + n) // bs) - len(table)
+            if grow > 0:
+                need += grow
+            index = computed // bs
+            if n and index < len(table):
+                block = pool.blocks[table[index]]
+                if block.ref_cnt > 1:
+                    w = writers.setdefault((kind, block.block_id), [0, block.ref_cnt])
+                    w[0] += 1
         need += len(taken_hits) + len(host_blocks)
-        need += sum(min(w, refs[key] - 1) for key, w in writers.items())
+        for w, ref_cnt in writers.values():
+            need += min(w, ref_cnt - 1)
         return need
 
     # ---- prefix caching ------------------------------------------------------------------------

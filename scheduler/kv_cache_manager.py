@@ -169,7 +169,9 @@ class KVCacheManager:
     def find_cached_prefix(self, request: Request) -> list[Block]:
         """The longest run of cached blocks matching the leading full blocks of a request with no blocks.
 
-        Covers at most ``num_tokens - 1`` tokens, so one token is always left to compute. Empty when
+        Covers at most ``num_tokens - 1`` tokens, so one token is always left to compute, and a group
+        leader with siblings still to fork (n > 1, beam search, readmitted after recompute) at most its
+        fork point: the siblings fork there, before the tokens that differ between them. Empty when
         prefix caching is off or the request has computed tokens already. A request that asks for
         prompt logprobs gets no hit: a cached block carries K/V but no logits, so its whole prompt is
         computed (vLLM does the same); its full blocks are still cached for others.
@@ -177,8 +179,9 @@ class KVCacheManager:
         if (not self.enable_prefix_caching or request.num_computed_tokens
                 or request.sampling.prompt_logprobs is not None):
             return []
+        end = request.fork_point if request.pending_forks else request.num_tokens - 1
         hits: list[Block] = []
-        for h in self._block_hashes(request)[: (request.num_tokens - 1) // self.block_size]:
+        for h in self._block_hashes(request)[: end // self.block_size]:
             block = self.pool.lookup(h)
             if block is None:
                 break

@@ -259,12 +259,6 @@ request_st = st.tuples(
 )
 
 
-# Known bug, found by this test at the end of the session that built it (issue 9 stays open):
-# block_size 1, a pool of exactly one request's worth, prefix caching on, r0 (1 prompt token,
-# max_tokens 3) and r1 (2 prompt tokens, n=2, max_tokens 3) arriving together: r1 is preempted by
-# recompute and never readmitted ("the loop sleeps with 2 requests left"). Not strict only because
-# the async interleaving could in principle hide it on a run; the mark goes when the bug is fixed.
-@pytest.mark.xfail(strict=False, reason="known hang: n=2 group not readmitted after recompute at pool = one request's worth")
 @settings(max_examples=60, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=st.data(),
@@ -375,3 +369,35 @@ def test_beams_preempted_by_recompute_come_back_sharing_their_prompt():
         return outcome
 
     assert asyncio.run(main()) == {"x": "length", "beams": "length"}
+
+
+def test_group_readmitted_with_prefix_hits_past_its_fork_point_forks_again():
+    # The counterexample this property test found: block_size 1, a pool of exactly r1's worth (7
+    # blocks), prefix caching on. r0 grows into r1's blocks, so r1 (n=2) is preempted by recompute
+    # after its siblings sampled a token each. Readmitted, its leader's cached blocks cover its
+    # prompt (2 tokens) although the siblings fork after 1: its prefix hits must stop at the fork
+    # point, or it computes past it, never forks, and the loop sleeps with r1 unfinished.
+    cfg = EngineConfig(block_size=1, max_num_seqs=8, max_num_batched_tokens=8, preemption_mode="recompute",
+                       enable_prefix_caching=True, max_n=8, max_model_len=64)
+    arrivals = [(0, "r0", [5], SamplingParams(max_tokens=3, ignore_eos=True)),
+                (0, "r1", [7, 8], SamplingParams(n=2, max_tokens=3, ignore_eos=True))]
+    resumptions = []
+
+    async def main():
+        engine, worker = make_engine(cfg, 7, 0, 0, 0.0)
+        watch_schedule(engine, worker)
+        schedule = engine.scheduler.schedule
+
+        def recorded():
+            step = schedule()
+            resumptions.extend((r.request_id, r.mode, r.num_blocks) for r in step.resumptions)
+            return step
+
+        engine.scheduler.schedule = recorded
+        outcome = await drive(engine, worker, arrivals, {})
+        assert engine.scheduler.num_preemptions == 2  # both siblings, once
+        assert_all_blocks_back(engine)
+        return outcome
+
+    assert asyncio.run(main()) == {"r0": "length", "r1": "length"}
+    assert resumptions == [("r1-0", "recompute", 1)]  # one prefix hit: the block before the fork point

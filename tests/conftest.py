@@ -39,6 +39,20 @@ def stories260k() -> Path:
     return stories260k_path()
 
 
+@pytest.fixture(autouse=True)
+def _restore_logging():
+    """Undo what a test's CLI run did to logging (`bench` configures level warning), so none leaks into the next."""
+    import logging
+
+    import structlog
+
+    config, root = structlog.get_config(), logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    structlog.configure(**config)
+    root.handlers[:], root.level = handlers, level
+
+
 # ---- shared helpers for engine tests ------------------------------------------------------------
 
 @pytest.fixture

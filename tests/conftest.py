@@ -92,6 +92,19 @@ def metric(engine, name, **labels) -> float:
     return engine.metrics.registry.get_sample_value(name, {"model_name": engine.model_config.name, **labels}) or 0.0
 
 
+def record_plans(engine) -> list:
+    """The list every step plan the engine sends its worker is appended to, from now on."""
+    plans = []
+    step = engine.client.step
+
+    async def recording(plan):
+        plans.append(plan)
+        return await step(plan)
+
+    engine.client.step = recording
+    return plans
+
+
 def assert_all_blocks_free(engine) -> None:
     """No live request; every device and host block free; the pool's invariants hold."""
     snap = engine.kv_cache_snapshot()

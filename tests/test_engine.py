@@ -10,7 +10,7 @@ import pytest
 
 from pagedkv.common.sampling_params import SamplingParams
 from conftest import (GOLDEN_COMPLETION, GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS, assert_all_blocks_free,
-                      collect, metric)
+                      collect, metric, record_plans)
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=60)
@@ -134,14 +134,7 @@ async def test_n_or_beam_width_above_max_num_seqs_is_rejected_naming_the_limit(s
 
 async def test_the_loop_sleeps_instead_of_sending_empty_plans_when_nothing_can_run(start):
     engine = await start()
-    plans = []
-    step = engine.client.step
-
-    async def counting(plan):
-        plans.append(plan)
-        return await step(plan)
-
-    engine.client.step = counting
+    plans = record_plans(engine)
     stream = engine.add_request(GOLDEN_PROMPT_IDS, SamplingParams(max_tokens=4))
     engine.scheduler.max_num_seqs = 0  # before the loop sees it: nothing can be admitted, no seat
     for _ in range(50):

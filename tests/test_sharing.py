@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from pagedkv.common.sampling_params import SamplingParams
-from conftest import GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS, assert_all_blocks_free, metric
+from conftest import GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS, assert_all_blocks_free, metric, record_plans
 
 # A prompt of 34 tokens: two full 16-token blocks and a partly filled third.
 LONG_PROMPT = "Once upon a time there was a little girl named Lily. She loved to play outside in the sun with her dog."
@@ -20,18 +20,6 @@ async def choices(engine, prompt_ids, params, on_output=None):
         if on_output:
             on_output(out)
     return tokens, last
-
-
-def record_plans(engine):
-    plans = []
-    step = engine.client.step
-
-    async def recording(plan):
-        plans.append(plan)
-        return await step(plan)
-
-    engine.client.step = recording
-    return plans
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)

@@ -1,7 +1,9 @@
-"""Paged-attention kernels: Triton on CUDA, the PyTorch reference on CPU.
+"""Paged-attention kernels: Triton on CUDA, batched PyTorch on CPU.
 
 A backend is a module exporting `paged_attention`, `write_kv_cache`, `copy_blocks` and
-`swap_blocks` (signatures and layouts in `kernels.reference`). The worker picks one once, at
+`swap_blocks` (signatures and layouts in `kernels.reference`): `kernels.triton_kernels` or
+`kernels.torch_kernels` (the batched CPU attention; `kernels.reference.paged_attention`, the
+per-sequence loop, is the oracle tests compare every backend against). The worker picks one once, at
 model load, with `select_backend` (from ``--attention-backend``, else by device) and passes it
 down to the model and the cache engine; nothing is decided per call. On CPU, Triton kernels run
 only under ``TRITON_INTERPRET=1`` (how CI tests them).
@@ -13,7 +15,7 @@ from types import ModuleType
 
 import torch
 
-from pagedkv.kernels import reference
+from pagedkv.kernels import reference, torch_kernels
 
 BACKENDS = ("triton", "torch")
 
@@ -22,7 +24,7 @@ def select_backend(requested: str | None, device: torch.device) -> ModuleType:
     """The kernel module for ``requested`` ("triton" | "torch"), or by device when None (Triton on CUDA).
 
     Returns `kernels.triton_kernels` (imported here, lazily: triton is optional on CPU) or
-    `kernels.reference`. Raises ValueError for an unknown name.
+    `kernels.torch_kernels`. Raises ValueError for an unknown name.
     """
     name = requested or ("triton" if device.type == "cuda" else "torch")
     if name not in BACKENDS:
@@ -31,7 +33,7 @@ def select_backend(requested: str | None, device: torch.device) -> ModuleType:
         from pagedkv.kernels import triton_kernels
 
         return triton_kernels
-    return reference
+    return torch_kernels
 
 
-__all__ = ["BACKENDS", "select_backend", "reference"]
+__all__ = ["BACKENDS", "select_backend", "reference", "torch_kernels"]

@@ -1,4 +1,8 @@
-"""PyTorch reference implementations: the oracle for the Triton kernels and the CPU path.
+"""PyTorch implementations: the per-sequence oracle, the batched CPU attention and the cache ops.
+
+`paged_attention` loops over sequences and is the oracle every backend is tested against;
+`batched_paged_attention` computes the same thing for the whole batch in a few tensor ops (the
+CPU path of `kernels.paged_attention`).
 
 Layout (vLLM V1 flash backend): a KV cache is one tensor per layer for K and one for V, each
 ``[num_blocks, block_size, num_kv_heads, head_dim]``. Token ``t`` of a sequence lives in physical
@@ -20,6 +24,8 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of new query tokens over each sequence's paged context.
 
@@ -31,6 +37,7 @@ def paged_attention(
     query_start_loc: ``[num_seqs + 1]`` int32, cumulative new-token counts (q_len_i = diff).
     New token j of sequence i attends to context positions ``0 .. seq_lens[i] - q_len_i + j``.
     GQA: num_heads must be a multiple of num_kv_heads; head h reads kv head h // (num_heads // num_kv_heads).
+    max_query_len, max_seq_len: hints other backends use (see `kernels.triton_kernels`); ignored here.
     Accumulates in fp32; returns ``[num_tokens, num_heads, head_dim]`` in q's dtype (into ``out`` if given).
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -61,6 +68,79 @@ def paged_attention(
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
     return out
+
+
+# Elements of one gathered K (or V) chunk in `batched_paged_attention`: bounds its temporary memory.
+_GATHER_BUDGET = 1 << 24
+
+
+def batched_paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """`paged_attention` for a whole batch at once, with no Python loop over sequences.
+
+    Same arguments, semantics and result as `paged_attention` (the oracle). max_query_len and
+    max_seq_len are optional hints (the batch's largest q_len and seq_len) that spare a scan.
+    Sequences are split into decode (q_len 1) and prefill/extend (q_len > 1) groups, each sorted by
+    context length and cut into chunks of at most ``_GATHER_BUDGET`` gathered K (or score) elements; a chunk
+    gathers its K/V through the block table into ``[seqs, ctx, kv_heads, head_dim]``, pads its
+    queries to ``[seqs, max_q, heads, head_dim]`` and runs one masked batched softmax(QK^T)V in fp32.
+    Padding waste is bounded by the sort: a chunk's sequences have similar lengths.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if out is None:
+        out = torch.empty_like(q)
+    if num_tokens == 0:
+        return out
+    starts = query_start_loc[:-1].long()
+    q_lens = query_start_loc[1:].long() - starts
+    seq_lens = seq_lens.long()
+    for group in ((q_lens == 1).nonzero().squeeze(1), (q_lens > 1).nonzero().squeeze(1)):
+        if group.numel() == 0:
+            continue
+        group = group[seq_lens[group].argsort()]
+        lens, max_q = seq_lens[group], int(q_lens[group].max())
+        per_seq = max(num_kv_heads * head_dim, num_heads * max_q) * max(1, int(lens[-1]))  # K or scores
+        step = max(1, _GATHER_BUDGET // per_seq)
+        for first in range(0, group.numel(), step):  # chunks of sequences, not one per sequence
+            seqs = group[first:first + step]
+            _attend(q, k_cache, v_cache, block_tables[seqs], seq_lens[seqs], starts[seqs], q_lens[seqs],
+                    max_q, scale, out)
+    return out
+
+
+def _attend(q, k_cache, v_cache, tables, seq_lens, starts, q_lens, max_q, scale, out) -> None:
+    """One chunk of `batched_paged_attention`: padded, masked attention of ``len(seq_lens)`` sequences."""
+    num_seqs = seq_lens.shape[0]
+    _, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    ctx = int(seq_lens.max())
+    num_blocks = -(-ctx // block_size)
+    blocks = tables[:, :num_blocks].long().clamp_min(0)  # unused columns may hold anything (-1)
+    k = k_cache[blocks].view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
+    v = v_cache[blocks].view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
+    j = torch.arange(max_q)
+    valid = j[None, :] < q_lens[:, None]  # [seqs, max_q]
+    rows = torch.where(valid, starts[:, None] + j[None, :], 0)
+    qs = q[rows].view(num_seqs, max_q, num_kv_heads, group, head_dim)
+    scores = torch.einsum("sqhgd,skhd->shgqk", qs.float(), k.float()) * scale
+    q_pos = (seq_lens - q_lens)[:, None] + j[None, :]  # absolute position of each query
+    hidden = torch.arange(k.shape[1])[None, None, :] > q_pos[:, :, None]  # [seqs, max_q, ctx]
+    scores.masked_fill_(hidden[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    o = torch.einsum("shgqk,skhd->sqhgd", probs, v.float())
+    out[rows[valid]] = o[valid].view(-1, num_heads, head_dim).to(out.dtype)
 
 
 def write_kv_cache(

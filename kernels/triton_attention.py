@@ -36,6 +36,9 @@ _LOG2E = 1.4426950408889634
 _MAX_HEAD_DIM = 256
 # The reduce kernel holds every partition's partial row in registers; this bounds it.
 _MAX_PARTITIONS = 64
+# Split-K partition length bounds, in K/V tiles (see `_decode_split`).
+_MIN_PARTITION_TILES = 4
+_MAX_PARTITION_TILES = 32
 
 
 @functools.lru_cache(maxsize=8)
@@ -60,7 +63,7 @@ def _mma(a, b, F32: tl.constexpr):
         return tl.dot(a.to(b.dtype), b)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_partitions", "partition"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr,
@@ -138,7 +141,7 @@ def _decode_kernel(
                  mask=g_mask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_partitions", "partition"])
 def _decode_reduce_kernel(
     out_ptr, seq_lens_ptr, query_start_loc_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     num_heads, num_partitions, partition,
@@ -198,7 +201,7 @@ def _prefill_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     qk_scale, num_seqs,
@@ -282,16 +285,18 @@ _INTERPRETED = isinstance(_decode_kernel, InterpretedFunction)
 
 
 def _decode_split(num_seqs: int, num_kv_heads: int, max_context: int, tile_n: int,
-                  device: torch.device) -> tuple[int, int]:
+                  num_sms: int) -> tuple[int, int]:
     """(partition size in tokens, number of partitions) for the split-K decode.
 
-    Aims at ~4 programs per SM, counting partitions of the longest possible context
-    (``max_blocks_per_seq * block_size``, known without a host sync); big batches get one
-    partition (no split, no reduce). Partitions are whole K/V tiles.
+    By occupancy: ~4 programs per SM over (sequence, kv head, partition). By context length: a
+    program walks at most ``_MAX_PARTITION_TILES`` K/V tiles (long contexts split even in big
+    batches, bounding the longest program), and a partition holds at least ``_MIN_PARTITION_TILES``
+    tiles (short contexts are not split: the reduce would cost more than it saves).
+    ``max_context`` bounds every sequence's context, in tokens. Partitions are whole K/V tiles.
     """
     max_tiles = triton.cdiv(max_context, tile_n)
-    wanted = triton.cdiv(4 * _num_sms(device), num_seqs * num_kv_heads)
-    parts = max(1, min(wanted, _MAX_PARTITIONS, max_tiles))
+    wanted = max(triton.cdiv(4 * num_sms, num_seqs * num_kv_heads), triton.cdiv(max_tiles, _MAX_PARTITION_TILES))
+    parts = max(1, min(wanted, _MAX_PARTITIONS, max_tiles // _MIN_PARTITION_TILES))
     partition = triton.cdiv(max_tiles, parts) * tile_n
     return partition, triton.cdiv(max_context, partition)
 
@@ -343,6 +348,8 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of new query tokens over each sequence's paged context (Triton).
 
@@ -355,6 +362,9 @@ def paged_attention(
     Sequences with q_len 1 take the split-K decode path, q_len > 1 the prefill path, q_len 0
     nothing; all in one call. head_dim <= 256; num_heads a multiple of num_kv_heads (GQA).
     Returns ``[num_tokens, num_heads, head_dim]`` in q's dtype, or writes ``out`` (any float dtype).
+    max_query_len: when 1, the prefill/extend kernel is not launched (a decode-only step).
+    max_seq_len: an upper bound of every seq_len, used to size split-K by context length (else
+    ``max_blocks_per_seq * block_size``); a bound below a real seq_len drops context silently.
 
     Raises ValueError on inconsistent shapes, dtypes or devices. Lengths are not checked on the
     host (that would sync); seq_lens[i] >= q_len_i and enough block-table columns are the
@@ -379,8 +389,8 @@ def paged_attention(
 
     # Decode: Flash-Decoding split-K, then a reduce over partitions.
     tile_n = 32 if big_head else 64
-    partition, num_partitions = _decode_split(num_seqs, num_kv_heads,
-                                              block_tables.shape[1] * block_size, tile_n, q.device)
+    max_context = block_tables.shape[1] * block_size if max_seq_len is None else max(1, max_seq_len)
+    partition, num_partitions = _decode_split(num_seqs, num_kv_heads, max_context, tile_n, _num_sms(q.device))
     if num_partitions > 1:
         part_m = torch.empty(num_seqs, num_heads, num_partitions, dtype=torch.float32,
                              device=q.device)
@@ -401,6 +411,8 @@ def paged_attention(
             partition, *out.stride(), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
             PARTS_PAD=triton.next_power_of_2(num_partitions), num_warps=4)
 
+    if max_query_len == 1:
+        return out  # decode-only step: no prefill/extend program would do any work
     # Prefill / extend: FlashAttention-2 query tiles of BLOCK_M = BLOCK_Q × GROUP_PAD rows.
     group_pad = triton.next_power_of_2(group)
     block_m = max(64 if big_head else 128, group_pad)

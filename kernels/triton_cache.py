@@ -89,17 +89,18 @@ def write_kv_cache(
 
 
 @triton.jit
-def _copy_blocks_kernel(cache_ptrs, block_mapping_ptr, block_stride,
+def _copy_blocks_kernel(src_ptrs, dst_ptrs, block_mapping_ptr, src_block_stride, dst_block_stride,
                         BLOCK_NUMEL: tl.constexpr, CHUNK: tl.constexpr, DTYPE: tl.constexpr):
-    """One program: one chunk of one (src, dst) pair in one cache (a layer's K or V)."""
-    cache = tl.load(cache_ptrs + tl.program_id(0)).to(tl.pointer_type(DTYPE))
+    """One program: one chunk of one (src, dst) pair of one cache (a layer's K or V)."""
+    src_cache = tl.load(src_ptrs + tl.program_id(0)).to(tl.pointer_type(DTYPE))
+    dst_cache = tl.load(dst_ptrs + tl.program_id(0)).to(tl.pointer_type(DTYPE))
     pair = tl.program_id(1)
     src = tl.load(block_mapping_ptr + 2 * pair)
     dst = tl.load(block_mapping_ptr + 2 * pair + 1)
     offs = tl.program_id(2) * CHUNK + tl.arange(0, CHUNK)
     mask = offs < BLOCK_NUMEL
-    x = tl.load(cache + src * block_stride + offs, mask=mask)
-    tl.store(cache + dst * block_stride + offs, x, mask=mask)
+    x = tl.load(src_cache + src * src_block_stride + offs, mask=mask)
+    tl.store(dst_cache + dst * dst_block_stride + offs, x, mask=mask)
 
 
 def copy_blocks(
@@ -107,12 +108,15 @@ def copy_blocks(
     v_caches: list[torch.Tensor],
     block_mapping: torch.Tensor,
 ) -> None:
-    """Copy whole blocks within each layer's caches, in place (copy-on-write), in one launch.
+    """Copy whole blocks within each layer's caches, in place (copy-on-write).
 
     k_caches, v_caches: one ``[num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer,
     all of one shape, dtype, device and strides, each block's contents contiguous.
     block_mapping: ``[n, 2]`` int64 of (src, dst) physical block ids (moved to the caches' device
-    if needed); dst blocks are distinct and no dst is also a src (copies run in parallel).
+    if needed); dst blocks are distinct. Every copy reads its source as it was before the call,
+    as the reference's gather-then-scatter does, even when a destination is also a source: then
+    the sources are first gathered into a temporary (two launches), else one launch copies in place.
+    A mapping already on the GPU is treated as possibly aliased (checking would sync).
     Raises ValueError on inconsistent caches or a malformed mapping.
     """
     if len(k_caches) != len(v_caches) or not k_caches:
@@ -136,10 +140,23 @@ def copy_blocks(
     if first.dtype not in _TL_DTYPES:
         raise ValueError(f"cache dtype {first.dtype} is not one of fp32, fp16, bf16")
     device = first.device
+    if block_mapping.device.type == "cpu":
+        aliased = bool(torch.isin(block_mapping[:, 1], block_mapping[:, 0]).any())
+    else:
+        aliased = True
     mapping = block_mapping.to(device=device, dtype=torch.int64).contiguous()
     # Per-cache base addresses: one launch covers every layer's K and V.
     cache_ptrs = torch.tensor([t.data_ptr() for t in caches], dtype=torch.int64, device=device)
-    block_numel = first[0].numel()
-    grid = (len(caches), mapping.shape[0], triton.cdiv(block_numel, _COPY_CHUNK))
-    _copy_blocks_kernel[grid](cache_ptrs, mapping, first.stride(0), BLOCK_NUMEL=block_numel,
-                              CHUNK=_COPY_CHUNK, DTYPE=_TL_DTYPES[first.dtype], num_warps=4)
+    block_numel, n = first[0].numel(), mapping.shape[0]
+    grid = (len(caches), n, triton.cdiv(block_numel, _COPY_CHUNK))
+    meta = dict(BLOCK_NUMEL=block_numel, CHUNK=_COPY_CHUNK, DTYPE=_TL_DTYPES[first.dtype], num_warps=4)
+    if not aliased:
+        _copy_blocks_kernel[grid](cache_ptrs, cache_ptrs, mapping, first.stride(0), first.stride(0), **meta)
+        return
+    tmp = torch.empty(len(caches), n, block_numel, dtype=first.dtype, device=device)
+    tmp_ptrs = torch.tensor([t.data_ptr() for t in tmp], dtype=torch.int64, device=device)
+    slots = torch.arange(n, device=device)
+    _copy_blocks_kernel[grid](cache_ptrs, tmp_ptrs, torch.stack([mapping[:, 0], slots], 1).contiguous(),
+                              first.stride(0), block_numel, **meta)
+    _copy_blocks_kernel[grid](tmp_ptrs, cache_ptrs, torch.stack([slots, mapping[:, 1]], 1).contiguous(),
+                              block_numel, first.stride(0), **meta)

@@ -205,6 +205,37 @@ def test_inconsistent_attention_inputs_raise_value_error():
         triton_kernels.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, qsl[:1], scale)
 
 
+def test_split_k_follows_context_length_as_well_as_batch_size():
+    split = sys.modules["pagedkv.kernels.triton_attention"]._decode_split
+    tile = 64
+    # A big batch fills the GPU alone, yet a 32K context is still cut so no program walks > 32 tiles.
+    partition, parts = split(256, 8, 32768, tile, num_sms=132)
+    assert partition == 32 * tile and parts == 16
+    # A short context is never split, however few programs there are.
+    assert split(1, 1, 200, tile, num_sms=132) == (256, 1)
+    # One long sequence: split for occupancy, each partition at least 4 tiles.
+    partition, parts = split(1, 8, 4096, tile, num_sms=132)
+    assert partition == 4 * tile and parts == 16
+    # Occupancy wins when the batch is small and the context moderate.
+    assert split(4, 8, 8192, tile, num_sms=132) == (8 * tile, 16)
+
+
+def test_decode_only_hint_skips_the_prefill_launch_and_keeps_the_result(monkeypatch):
+    args = make_batch([1, 1, 1], [30, 300, 5], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+                      dtype=torch.float32, seed=12)
+    expected = reference.paged_attention(*args)
+    mod = sys.modules["pagedkv.kernels.triton_attention"]
+    launches = []
+    real = mod._prefill_kernel
+    monkeypatch.setattr(mod, "_prefill_kernel", type("Spy", (), {"__getitem__": lambda self, grid: (
+        launches.append(grid), real[grid])[1]})())
+    got = triton_kernels.paged_attention(*args, max_query_len=1, max_seq_len=300)
+    torch.testing.assert_close(got, expected, atol=ATOL[torch.float32], rtol=0)
+    assert launches == []
+    triton_kernels.paged_attention(*args)
+    assert len(launches) == 1
+
+
 # --- write_kv_cache ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -259,6 +290,23 @@ def test_copy_blocks_copies_every_layer_exactly_and_nothing_else(dtype):
     triton_kernels.copy_blocks(k_caches, v_caches, mapping)
     for got, want in zip(k_caches + v_caches, expected_k + expected_v):
         assert torch.equal(got, want)
+
+
+def test_copy_blocks_reads_every_source_before_any_write_when_a_destination_is_also_a_source():
+    """A chain and a cycle of copies: each destination gets its source's contents from before the call."""
+    gen = torch.Generator().manual_seed(11)
+    shape = (8, 16, 2, 64)
+    k_caches = [torch.randn(shape, generator=gen) for _ in range(2)]
+    v_caches = [torch.randn(shape, generator=gen) for _ in range(2)]
+    before = [t.clone() for t in k_caches + v_caches]
+    mapping = torch.tensor([[1, 2], [2, 3], [5, 6], [6, 5]], dtype=torch.int64)
+    expected_k = [t.clone() for t in k_caches]
+    expected_v = [t.clone() for t in v_caches]
+    reference.copy_blocks(expected_k, expected_v, mapping)
+    triton_kernels.copy_blocks(k_caches, v_caches, mapping)
+    for got, want, old in zip(k_caches + v_caches, expected_k + expected_v, before):
+        assert torch.equal(got, want)
+        assert torch.equal(got[3], old[2]) and torch.equal(got[5], old[6]) and torch.equal(got[6], old[5])
 
 
 def test_copy_blocks_with_empty_mapping_changes_nothing():

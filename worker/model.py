@@ -27,12 +27,16 @@ class AttentionMetadata:
     slot_mapping: ``[num_tokens]`` int64, block_id * block_size + offset of each new token.
     block_tables: ``[num_seqs, max_blocks]`` int32. seq_lens: ``[num_seqs]`` int32, context length
     including the new tokens. query_start_loc: ``[num_seqs + 1]`` int32, cumulative new-token counts.
+    max_query_len, max_seq_len: host-side upper bounds of q_len and seq_len over the batch (None:
+    unknown), so kernels can skip the prefill launch on decode-only steps and size split-K by context.
     """
 
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
+    max_query_len: int | None = None
+    max_seq_len: int | None = None
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -110,7 +114,8 @@ class LlamaAttention(nn.Module):
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         self.kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         o = self.kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                         meta.query_start_loc, self.scale)
+                                         meta.query_start_loc, self.scale, None, meta.max_query_len,
+                                         meta.max_seq_len)
         return self.o_proj(o.view(n, self.num_heads * self.head_dim))
 
 

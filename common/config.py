@@ -175,6 +175,7 @@ class EngineConfig(msgspec.Struct):
     max_logprobs: int = 20
     worker_timeout: float = 120.0
     attention_backend: str | None = None  # None: triton on CUDA, torch on CPU
+    enforce_eager: bool = False  # True: no CUDA graphs for decode steps (they are captured on CUDA by default)
     preemption_mode: str = "auto"  # recompute | swap | auto (cheaper per victim; scheduler.preemption)
     scheduling_policy: str = "fcfs"  # fcfs | priority (lower ``priority`` value first, as vLLM)
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP traces URL; tracing also follows OTEL_* variables

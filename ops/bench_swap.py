@@ -36,6 +36,7 @@ from pagedkv.common.config import EngineConfig, ModelConfig
 from pagedkv.common.protocol import NewRequestData, StepPlan
 from pagedkv.common.sampling_params import SamplingParams
 from pagedkv.worker.cache_engine import measure_swap_bandwidth
+from pagedkv.worker.input_batch import InputBatch
 from pagedkv.worker.model_runner import ModelRunner
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
@@ -80,6 +81,7 @@ def measure(model_config: ModelConfig, engine_config: EngineConfig, device: torc
         if runner is None:
             runner = ModelRunner(cfg, device, dtype, model_config)
         runner.engine_config, runner.block_size = cfg, bs  # same weights, new block size
+        runner.batch = InputBatch(cfg.max_num_seqs, runner.max_model_len, bs, model_config.vocab_size, device)
         num_blocks = -(-num_tokens // bs)
         runner.init_cache(num_blocks, num_blocks)
         bandwidth = measure_swap_bandwidth(device, (bs, model_config.num_key_value_heads, model_config.head_dim), dtype)
@@ -94,7 +96,7 @@ def measure(model_config: ModelConfig, engine_config: EngineConfig, device: torc
             rid = f"bench-{step[0]}"
             runner.execute(StepPlan(step_id=step[0], new_requests=[NewRequestData(
                 rid, token_ids, num_tokens, list(range(num_blocks)), 0, num_tokens, SamplingParams(temperature=0))]))
-            runner.requests.pop(rid)
+            runner.batch.remove(rid)
 
         recompute_s = _median_seconds(prefill, device, repeats)
         block_bytes = runner.kv_bytes_per_block

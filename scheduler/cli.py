@@ -169,6 +169,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="seed of dummy weights and of requests without a seed")
     g.add_argument("--attention-backend", choices=["torch", "triton"], default=None,
                    help="paged-attention implementation; default: triton on CUDA, torch on CPU")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run decode steps eagerly instead of replaying captured CUDA graphs")
     g.add_argument("--worker-timeout", type=_float_in(0.0, lo_open=True), default=d.worker_timeout,
                    metavar="SECONDS", help="a worker that does not answer a step within this is declared failed")
     g.add_argument("--worker-address", default=None, metavar="ADDR",
@@ -214,7 +216,7 @@ def _engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         swap_space=args.swap_space, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len, max_n=args.max_n,
         max_logprobs=args.max_logprobs, worker_timeout=args.worker_timeout,
-        attention_backend=args.attention_backend,
+        attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
         enable_prefix_caching=args.enable_prefix_caching, prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         preemption_mode=args.preemption_mode, scheduling_policy=args.scheduling_policy,
         otlp_traces_endpoint=args.otlp_traces_endpoint)

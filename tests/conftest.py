@@ -10,6 +10,10 @@ from pathlib import Path
 
 import pytest
 
+# One OpenMP thread for in-process torch (set before any test module imports torch): on a small
+# shared machine a second spinning thread makes tiny ops ~1000x slower. Workers use cores - 1 anyway.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # Greedy continuation of "Once upon a time" (60 tokens), from the model folder's PROVENANCE.md.
 GOLDEN_PROMPT = "Once upon a time"
 GOLDEN_PROMPT_IDS = [1, 403, 407, 261, 378]

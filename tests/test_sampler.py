@@ -6,10 +6,15 @@ import pytest
 import torch
 
 from pagedkv.common.sampling_params import SamplingParams
-from pagedkv.worker.sampler import Sampler, apply_penalties, row_seed, truncated_probs
+from pagedkv.worker.sampler import Sampler, SamplingBatch, apply_penalties, seeded_exponential, truncated_probs
 
 CPU = torch.device("cpu")
 LOGITS = torch.tensor([[1.0, 3.0, -2.0, 2.5, 0.0, -1.0]])
+
+
+def batch(logits, params, prompts=None, outputs=None):
+    n = len(params)
+    return SamplingBatch.from_params(params, prompts or [[]] * n, outputs or [[]] * n, logits.shape[1], CPU)
 
 
 def sample(logits, params, prompts=None, outputs=None, seed=0):
@@ -31,7 +36,7 @@ def test_truncation_to_one_token_always_gives_the_argmax(params):
 
 
 def test_top_k_keeps_exactly_the_k_largest():
-    probs = truncated_probs(LOGITS, [SamplingParams(top_k=3)])
+    probs = truncated_probs(LOGITS, batch(LOGITS, [SamplingParams(top_k=3)]))
     expect = torch.softmax(torch.tensor([1.0, 3.0, -2.0, 2.5, 0.0, -1.0]).masked_fill(
         torch.tensor([False, False, True, False, True, True]), float("-inf")), -1)
     assert torch.allclose(probs[0], expect)
@@ -40,27 +45,27 @@ def test_top_k_keeps_exactly_the_k_largest():
 def test_top_p_keeps_the_smallest_prefix_reaching_p():
     logits = torch.log(torch.tensor([[0.1, 0.5, 0.25, 0.15]]))
     # sorted: 0.5, 0.25, 0.15, 0.1; 0.5 + 0.25 = 0.75 >= 0.7, so two tokens stay
-    probs = truncated_probs(logits, [SamplingParams(top_p=0.7)])
+    probs = truncated_probs(logits, batch(logits, [SamplingParams(top_p=0.7)]))
     assert (probs[0] > 0).tolist() == [False, True, True, False]
     assert torch.allclose(probs[0], torch.tensor([0.0, 2 / 3, 1 / 3, 0.0]))
-    probs = truncated_probs(logits, [SamplingParams(top_p=0.8)])
+    probs = truncated_probs(logits, batch(logits, [SamplingParams(top_p=0.8)]))
     assert (probs[0] > 0).tolist() == [False, True, True, True]
 
 
 def test_min_p_drops_tokens_below_a_fraction_of_the_top_probability():
     logits = torch.log(torch.tensor([[0.1, 0.5, 0.25, 0.15]]))
-    probs = truncated_probs(logits, [SamplingParams(min_p=0.3)])  # threshold 0.15
+    probs = truncated_probs(logits, batch(logits, [SamplingParams(min_p=0.3)]))  # threshold 0.15
     assert (probs[0] > 0).tolist() == [False, True, True, True]
 
 
 def test_temperature_divides_logits():
-    probs = truncated_probs(LOGITS, [SamplingParams(temperature=2.0)])
+    probs = truncated_probs(LOGITS, batch(LOGITS, [SamplingParams(temperature=2.0)]))
     assert torch.allclose(probs[0], torch.softmax(LOGITS[0] / 2, -1))
 
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits():
     logits = LOGITS.clone()
-    apply_penalties(logits, [SamplingParams(repetition_penalty=2.0)], [[1, 2]], [[1, 4]])
+    apply_penalties(logits, batch(logits, [SamplingParams(repetition_penalty=2.0)], [[1, 2]], [[1, 4]]))
     # tokens 1 (3.0 -> 1.5), 2 (-2.0 -> -4.0), 4 (0.0 stays 0); 0, 3, 5 unseen
     assert logits[0].tolist() == [1.0, 1.5, -4.0, 2.5, 0.0, -1.0]
 
@@ -68,7 +73,7 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits
 def test_presence_and_frequency_penalties_count_output_tokens_only():
     logits = LOGITS.clone()
     params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
-    apply_penalties(logits, [params], [[0, 0, 0]], [[3, 3, 5, 3]])
+    apply_penalties(logits, batch(logits, [params], [[0, 0, 0]], [[3, 3, 5, 3]]))
     # token 3 seen 3 times: 2.5 - 0.75 - 0.5; token 5 once: -1 - 0.25 - 0.5; prompt token 0 untouched
     assert logits[0].tolist() == [1.0, 3.0, -2.0, 1.25, 0.0, -1.75]
 
@@ -124,6 +129,14 @@ def test_unseeded_rows_follow_the_worker_seed():
     assert sample(logits, params, seed=5).token_ids != sample(logits, params, seed=6).token_ids
 
 
-def test_row_seed_mixes_seed_and_index():
-    seeds = {row_seed(s, i) for s in range(20) for i in range(20)}
-    assert len(seeds) == 400 and all(0 <= x < 2**63 for x in seeds)
+def test_seeded_noise_is_a_pure_function_of_seed_index_and_token():
+    seeds = torch.tensor([0, 1, 2**40 + 1, 2**63 - 1, 1])
+    index = torch.tensor([0, 0, 5, 7, 0])
+    noise = seeded_exponential(seeds, index, 300)
+    assert noise.shape == (5, 300) and bool((noise > 0).all()) and bool(noise.isfinite().all())
+    assert torch.equal(noise[1], noise[4])  # same (seed, index): same noise, wherever the row sits
+    assert torch.equal(noise[2:3], seeded_exponential(seeds[2:3], index[2:3], 300))  # batch-independent
+    assert len({tuple(r) for r in noise[:4].tolist()}) == 4  # seeds, halves of a seed and indices all count
+    assert not torch.equal(seeded_exponential(torch.tensor([2**32]), torch.tensor([0]), 300)[0], noise[0])
+    many = seeded_exponential(torch.arange(64), torch.zeros(64, dtype=torch.int64), 1000)
+    assert abs(many.mean().item() - 1.0) < 0.02 and abs(many.var().item() - 1.0) < 0.05  # Exp(1)

@@ -130,7 +130,7 @@ def test_resumed_request_reuses_copied_prefix_blocks(stories260k):
     # a is dropped and b starts from a's prefix in the same plan; the copy runs before the forward
     sampled = d.step({"b": 1}, finished_request_ids=["a"], blocks_to_copy=list(zip(src, dst)))
     assert sampled == {"b": GOLDEN_OUTPUT_IDS[20]}
-    assert "a" not in d.runner.requests
+    assert "a" not in d.runner.batch.row_of
     d.decode(["b"], 39)
     assert d.output("b") == GOLDEN_OUTPUT_IDS
 
@@ -273,11 +273,20 @@ EMBEDDED_LIKE = {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layer
                  "num_key_value_heads": 4, "vocab_size": 258}
 
 
-def test_profile_run_uses_a_temporary_cache_and_leaves_no_state(stories260k):
-    cfg = EngineConfig(model=str(stories260k), block_size=16, max_num_batched_tokens=700, max_model_len=512)
+def test_profile_run_uses_a_temporary_cache_and_leaves_no_state(stories260k, monkeypatch):
+    from pagedkv.worker.sampler import Sampler
+
+    cfg = EngineConfig(model=str(stories260k), block_size=16, max_num_batched_tokens=700, max_model_len=512,
+                       max_num_seqs=40)
     runner = ModelRunner(cfg, CPU, torch.float32)
+    rows = []
+    real = Sampler.sample
+    monkeypatch.setattr(Sampler, "sample", lambda self, logits, batch: rows.append(
+        (logits.shape[0], batch.prompt_mask is not None, batch.any_seeded, batch.any_unseeded)) or real(self, logits, batch))
     assert runner.profile_run() == (32 + 12) * runner.kv_bytes_per_block  # sequences of 512 and 188 tokens
-    assert runner.requests == {} and runner.cache is None
+    # the forward's two sampled rows, then the sampler alone at max_num_seqs rows with every stage on
+    assert rows == [(2, False, False, True), (40, True, True, True)]
+    assert runner.batch.row_of == {} and runner.batch.num_rows == 0 and runner.cache is None
 
 
 def test_bfloat16_weights_and_cache_still_pick_the_golden_first_token(stories260k):
@@ -290,16 +299,18 @@ def test_bfloat16_weights_and_cache_still_pick_the_golden_first_token(stories260
 
 def test_attention_backend_is_chosen_once_at_load_from_the_config():
     from pagedkv import kernels
-    from pagedkv.kernels import reference
+    from pagedkv.kernels import reference, torch_kernels
 
-    assert kernels.select_backend(None, CPU) is reference
-    assert kernels.select_backend("torch", torch.device("cuda")) is reference
+    assert kernels.select_backend(None, CPU) is torch_kernels
+    assert kernels.select_backend("torch", torch.device("cuda")) is torch_kernels
+    assert torch_kernels.paged_attention is reference.batched_paged_attention  # the oracle only in tests
     with pytest.raises(ValueError, match="attention backend must be one of"):
         kernels.select_backend("flash", CPU)
     runner = ModelRunner(EngineConfig(attention_backend="torch"), CPU, torch.float32)
     runner.init_cache(4, 0)
     attn = runner.model.model.layers[0].self_attn
-    assert runner.model.kernels is reference and attn.kernels is reference and runner.cache.kernels is reference
+    assert runner.model.kernels is torch_kernels and attn.kernels is torch_kernels
+    assert runner.cache.kernels is torch_kernels
 
 
 def _hf_logprobs(stories260k, ids: list[int]) -> torch.Tensor:
@@ -341,3 +352,60 @@ def test_logit_bias_and_min_tokens_steer_the_sampled_token(stories260k):
     assert d.last.sampled[0].logprob is None
     d.decode(["bias", "eos"], 2)
     assert d.output("eos") == [432, 383, 2]  # two outputs reached: EOS allowed, and the bias wins
+
+
+def test_decode_through_padded_static_buffers_equals_golden(stories260k):
+    """The CUDA-graph path's padding (slot -1, seq_len 0 rows), run eagerly: outputs are unchanged."""
+    d = Driver(stories260k)
+    d.runner.init_decode_graphs(capture=False)
+    runs = []
+    real_run = d.runner.graphs.run
+    d.runner.graphs.run = lambda *a: runs.append(a[0].shape[0]) or real_run(*a)
+    d.add("a", GOLDEN_PROMPT_IDS)
+    d.add("b", [1, 403, 407])
+    d.add("c", [1, 261, 378, 432])
+    d.step({"a": 5, "b": 3, "c": 4})
+    d.decode(["a", "b", "c"], 29)
+    assert d.output("a") == GOLDEN_OUTPUT_IDS[:30]
+    assert runs == [3] * 29 and d.runner.graphs.padded_size(3) == 4
+    alone = Driver(stories260k)
+    alone.add("b", [1, 403, 407])
+    alone.step({"b": 3})
+    alone.decode(["b"], 29)
+    assert d.output("b") == alone.output("b")
+
+
+def test_warm_up_leaves_no_request_and_generation_unchanged(stories260k):
+    d = Driver(stories260k)
+    d.runner.warm_up()
+    assert d.runner.batch.num_rows == 0 and d.runner.batch.row_of == {}
+    d.add("a", GOLDEN_PROMPT_IDS)
+    d.step({"a": 5})
+    d.decode(["a"], 19)
+    assert d.output("a") == GOLDEN_OUTPUT_IDS[:20]
+
+
+def test_penalty_statistics_follow_tokens_through_steps_and_row_moves(stories260k):
+    """The worker's incremental prompt masks and output counts equal ones built from the token lists."""
+    from pagedkv.worker.sampler import SamplingBatch
+
+    pen = SamplingParams(temperature=1.0, seed=5, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2)
+    d = Driver(stories260k)
+    d.add("a", GOLDEN_PROMPT_IDS, sampling=pen)
+    d.add("b", [1, 403, 407, 403], sampling=pen)
+    d.add("c", [1, 261], sampling=GREEDY)
+    d.step({"a": 5, "b": 4, "c": 2})
+    d.decode(["a", "b", "c"], 6)
+    d.step({"b": 1, "c": 1}, finished_request_ids=["a"])  # c moves into a's row
+    d.decode(["b", "c"], 3)
+    batch = d.runner.batch
+    rows = [batch.row_of["b"], batch.row_of["c"]]
+    assert sorted(rows) == [0, 1]
+    got = batch.sampling_batch(torch.tensor(rows).numpy())
+    want = SamplingBatch.from_params([pen, GREEDY], [d.reqs[r]["tokens"][:d.reqs[r]["num_prompt"]] for r in "bc"],
+                                     [d.output(r) for r in "bc"], 512, CPU)
+    # b's statistics are exact; c has no penalty, so its (unmaintained) statistics are never used
+    assert torch.equal(got.prompt_mask[0], want.prompt_mask[0]) and torch.equal(got.output_counts[0], want.output_counts[0])
+    assert got.output_counts[0].sum() == 11 and got.prompt_mask[0].sum() == 3  # prompt [1, 403, 407, 403]
+    assert got.output_index.tolist() == [11, 11] and got.seeds.tolist() == [5, 0]
+    assert got.repetition_penalty.tolist() == pytest.approx([1.3, 1.0])

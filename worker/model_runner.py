@@ -1,35 +1,29 @@
-"""Executes step plans: mirrors each request's state, builds the flat batch, runs the model, samples.
+"""Executes step plans: applies each plan's deltas to the persistent batch, runs the model, samples.
 
 The control plane decides everything; the runner applies the plan's deltas (vLLM V1's
-SchedulerOutput style, see `common.protocol`) to its mirror and does the math.
+SchedulerOutput style, see `common.protocol`) to its `InputBatch` (one preallocated row per live
+request) and does the math. Building a step's inputs costs O(rows + new tokens) on the host, never
+O(context): tokens, block tables and penalty statistics are never rebuilt from lists.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagedkv.common.config import EngineConfig, ModelConfig, resolve_max_model_len
-from pagedkv.common.protocol import PromptLogprobs, SampledToken, StepPlan, StepResult
+from pagedkv.common.protocol import CachedRequestData, NewRequestData, PromptLogprobs, SampledToken, StepPlan, StepResult
 from pagedkv.common.sampling_params import SamplingParams
 from pagedkv.worker.cache_engine import CacheEngine, kv_bytes_per_block
+from pagedkv.worker.cuda_graphs import DecodeGraphs
+from pagedkv.worker.input_batch import InputBatch
 from pagedkv.worker.model import AttentionMetadata
 from pagedkv.worker.model_loader import load_model
-from pagedkv.worker.sampler import Sampler, prompt_logprobs
+from pagedkv.worker.sampler import Sampler, SamplingBatch, prompt_logprobs
 
-
-@dataclass
-class RequestState:
-    """The worker's mirror of one request: every known token, its block table and its progress."""
-
-    request_id: str
-    token_ids: list[int]
-    num_prompt_tokens: int
-    block_ids: list[int]
-    num_computed_tokens: int
-    sampling: SamplingParams
+_ALIGN = 16  # staged segments start at multiples of 16 elements: aligned device views, no new kernel variants
 
 
 class ModelRunner:
@@ -45,10 +39,15 @@ class ModelRunner:
         self.model_config = model_config or ModelConfig.load(engine_config.model)
         self.device, self.dtype = device, dtype
         self.block_size = engine_config.block_size
+        self.max_model_len = resolve_max_model_len(self.model_config, engine_config.max_model_len)
         self.model = load_model(self.model_config, engine_config, device, dtype)
         self.sampler = Sampler(engine_config.seed, device, self.model_config.eos_token_ids)
         self.cache: CacheEngine | None = None
-        self.requests: dict[str, RequestState] = {}
+        self.batch = InputBatch(engine_config.max_num_seqs, self.max_model_len, self.block_size,
+                                self.model_config.vocab_size, device, self.model_config.eos_token_ids)
+        self._pinned = device.type == "cuda"
+        self._staging: dict[torch.dtype, torch.Tensor] = {}
+        self.graphs: DecodeGraphs | None = None
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -56,32 +55,73 @@ class ModelRunner:
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         """Allocate the device KV pool and the host swap pool (sizes in blocks)."""
-        self.cache = None  # free an old pool before allocating a new one
+        self.cache = self.graphs = None  # free an old pool (and graphs holding it) before allocating a new one
         self.cache = CacheEngine(self.model_config, num_gpu_blocks, num_cpu_blocks, self.block_size,
                                  self.dtype, self.device, self.model.kernels)
+        if self.device.type == "cuda" and not self.engine_config.enforce_eager:
+            self.init_decode_graphs()
+
+    @torch.inference_mode()
+    def init_decode_graphs(self, capture: bool = True) -> None:
+        """Capture decode forwards for batch sizes up to max_num_seqs (`worker.cuda_graphs`).
+
+        capture=False keeps the padded static-buffer path but runs it eagerly (CPU tests).
+        """
+        self.graphs = DecodeGraphs(self.model, self.cache.k_caches, self.cache.v_caches,
+                                   self.engine_config.max_num_seqs, self.batch.max_blocks, self.max_model_len,
+                                   self.device, capture)
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Run every kernel variant serving launches once, so none compiles mid-serving.
+
+        A prefill long enough for split-K, a decode-only step over it (partials and their reduce)
+        and a block copy, on a temporary cache; greedy, so no random draw is consumed.
+        """
+        n = max(1, min(self.max_model_len - 1, 4096))
+        nb = -(-(n + 1) // self.block_size)
+        cache = CacheEngine(self.model_config, nb + 1, 0, self.block_size, self.dtype, self.device, self.model.kernels)
+        greedy = SamplingParams(temperature=0.0)
+        try:
+            self._execute(StepPlan(-2, new_requests=[NewRequestData("warm-up", [0] * n, n, list(range(nb)), 0, n,
+                                                                    greedy)]), cache)
+            self._execute(StepPlan(-3, cached_requests=[CachedRequestData("warm-up", [], 1)]), cache)
+            cache.copy([(0, nb), (nb, 0)])
+        finally:
+            self.batch.remove("warm-up")
 
     @torch.inference_mode()
     def profile_run(self) -> int:
-        """One forward + sampling of ``max_num_batched_tokens`` tokens, to measure peak memory.
+        """One forward of ``max_num_batched_tokens`` tokens, then the sampler at ``max_num_seqs`` rows.
 
-        The tokens form sequences of at most max_model_len; they use a temporary KV cache, freed on
-        return. Returns that cache's size in bytes, so the caller can subtract it from the peak.
+        Measures peak memory. The tokens form sequences of at most max_model_len; they use a
+        temporary KV cache, freed on return. The sampler run uses every stage (penalties, top-k,
+        top-p, min-p, seeded and unseeded draws, logprobs). Returns the temporary cache's size in
+        bytes, so the caller can subtract it from the peak.
         """
-        total = self.engine_config.max_num_batched_tokens
-        max_len = resolve_max_model_len(self.model_config, self.engine_config.max_model_len)
+        cfg = self.engine_config
+        total, max_len = cfg.max_num_batched_tokens, self.max_model_len
         lens = [min(max_len, total - start) for start in range(0, total, max_len)]
         nblocks = [-(-n // self.block_size) for n in lens]
         cache = CacheEngine(self.model_config, sum(nblocks), 0, self.block_size, self.dtype, self.device,
                             self.model.kernels)
-        params = SamplingParams(top_p=0.9, top_k=50, logprobs=self.engine_config.max_logprobs)
-        scheduled, first = [], 0
+        params = SamplingParams(top_p=0.9, top_k=50, logprobs=cfg.max_logprobs)
+        news, first = [], 0
         for i, (n, b) in enumerate(zip(lens, nblocks)):
-            state = RequestState(f"profile-{i}", [0] * n, n, list(range(first, first + b)), 0, params)
-            scheduled.append((state, n))
+            news.append(NewRequestData(f"profile-{i}", [0] * n, n, list(range(first, first + b)), 0, n, params))
             first += b
-        self._run(scheduled, cache)
-        self.sampler = Sampler(self.engine_config.seed, self.device,  # unseeded draws start as if unprofiled
-                               self.model_config.eos_token_ids)
+        try:
+            self._execute(StepPlan(step_id=-1, new_requests=news), cache)
+        finally:
+            for new in news:
+                self.batch.remove(new.request_id)
+        rows, vocab = cfg.max_num_seqs, self.model_config.vocab_size
+        mixed = [SamplingParams(top_p=0.9, top_k=50, min_p=0.05, repetition_penalty=1.1, presence_penalty=0.5,
+                                frequency_penalty=0.5, logprobs=cfg.max_logprobs, seed=i if i % 2 else None)
+                 for i in range(rows)]
+        logits = torch.zeros(rows, vocab, dtype=torch.float32, device=self.device)
+        self.sampler.sample(logits, SamplingBatch.from_params(mixed, [[0]] * rows, [[0]] * rows, vocab, self.device))
+        self.sampler = Sampler(cfg.seed, self.device, self.model_config.eos_token_ids)  # unseeded draws start afresh
         return sum(nblocks) * self.kv_bytes_per_block
 
     @torch.inference_mode()
@@ -97,103 +137,115 @@ class ModelRunner:
         if self.cache is None:
             raise RuntimeError("step plan before InitCache: the KV cache is not allocated")
         start = time.perf_counter()
-        for rid in plan.finished_request_ids:
-            self.requests.pop(rid, None)
-        scheduled: list[tuple[RequestState, int]] = []
-        for new in plan.new_requests:
-            state = RequestState(new.request_id, list(new.token_ids), new.num_prompt_tokens, list(new.block_ids),
-                                 new.num_computed_tokens, new.sampling)
-            self.requests[new.request_id] = state
-            scheduled.append((state, new.num_scheduled_tokens))
-        for cached in plan.cached_requests:
-            state = self.requests.get(cached.request_id)
-            if state is None:
-                raise ValueError(f"cached request {cached.request_id!r} is not known to this worker")
-            for index, block_id in cached.replaced_block_ids:  # copy-on-write moved this block
-                state.block_ids[index] = block_id
-            state.block_ids.extend(cached.new_block_ids)
-            state.token_ids.extend(cached.new_token_ids)
-            scheduled.append((state, cached.num_scheduled_tokens))
-        self.cache.swap_out(plan.blocks_to_swap_out)
-        self.cache.swap_in(plan.blocks_to_swap_in)
-        self.cache.copy(plan.blocks_to_copy)
-        sampled, prompt = self._run([(s, n) for s, n in scheduled if n > 0], self.cache)
+        sampled, prompt = self._execute(plan, self.cache)
         return StepResult(step_id=plan.step_id, sampled=sampled, prompt_logprobs=prompt,
                           forward_seconds=time.perf_counter() - start)
 
-    def _run(self, scheduled: list[tuple[RequestState, int]],
-             cache: CacheEngine) -> tuple[list[SampledToken], list[PromptLogprobs]]:
-        """Forward the scheduled tokens of each request, sample where a request's known tokens end,
-        and score the prompt tokens of requests that asked for prompt logprobs."""
-        if not scheduled:
-            return [], []
-        bs = self.block_size
-        input_ids: list[int] = []
-        starts, lens, tables, sample_rows, samplers = [], [], [], [], []
-        prompt_rows: list[int] = []  # rows whose logits predict a prompt token, for prompt logprobs
-        prompt_spans: list[tuple[RequestState, int, int]] = []  # (request, first prompt token scored, count)
-        for state, n in scheduled:
-            begin, end = state.num_computed_tokens, state.num_computed_tokens + n
-            if end > len(state.token_ids):
-                raise ValueError(f"request {state.request_id!r}: {n} tokens scheduled from {begin}, "
-                                 f"but only {len(state.token_ids)} tokens are known")
-            if len(state.block_ids) * bs < end:
-                raise ValueError(f"request {state.request_id!r}: {len(state.block_ids)} blocks of {bs} "
-                                 f"cannot hold {end} tokens")
-            input_ids.extend(state.token_ids[begin:end])
-            # position p's logits predict token p + 1: score the prompt tokens this chunk predicts
-            if state.sampling.prompt_logprobs is not None and begin < state.num_prompt_tokens - 1:
-                count = min(end, state.num_prompt_tokens - 1) - begin
-                first_row = len(input_ids) - n
-                prompt_rows.extend(range(first_row, first_row + count))
-                prompt_spans.append((state, begin + 1, count))
-            starts.append(begin)
-            lens.append(n)
-            tables.append(state.block_ids)
-            if end == len(state.token_ids):
-                sample_rows.append(len(input_ids) - 1)
-                samplers.append(state)
-        dev = self.device
-        width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        q_lens = torch.tensor(lens)
-        seq_idx = torch.repeat_interleave(torch.arange(len(lens)), q_lens)
-        query_start_loc = torch.zeros(len(lens) + 1, dtype=torch.int32)
-        query_start_loc[1:] = q_lens.cumsum(0)
-        positions = torch.arange(len(input_ids)) - query_start_loc[:-1].long()[seq_idx] + torch.tensor(starts)[seq_idx]
-        slot_mapping = block_tables[seq_idx, positions // bs].long() * bs + positions % bs
-        meta = AttentionMetadata(slot_mapping.to(dev), block_tables.to(dev),
-                                 (torch.tensor(starts) + q_lens).to(torch.int32).to(dev), query_start_loc.to(dev))
-        logits = self.model(torch.tensor(input_ids, device=dev), positions.to(dev), meta, cache.k_caches,
-                            cache.v_caches, torch.tensor(prompt_rows + sample_rows, dtype=torch.int64, device=dev))
-        for state, n in scheduled:
-            state.num_computed_tokens += n
-        prompt = self._prompt_logprobs(logits[:len(prompt_rows)], prompt_spans)
-        logits = logits[len(prompt_rows):]
-        if not samplers:
-            return [], prompt
-        out = self.sampler(logits, [s.sampling for s in samplers],
-                           [s.token_ids[:s.num_prompt_tokens] for s in samplers],
-                           [s.token_ids[s.num_prompt_tokens:] for s in samplers])
-        result = []
-        for i, state in enumerate(samplers):
-            token = out.token_ids[i]
-            if not state.sampling.use_beam_search:  # beam search: the control plane picks and sends tokens
-                state.token_ids.append(token)
-            result.append(SampledToken(state.request_id, token, out.logprobs[i], out.top_logprobs[i]))
-        return result, prompt
+    def _execute(self, plan: StepPlan, cache: CacheEngine) -> tuple[list[SampledToken], list[PromptLogprobs]]:
+        batch = self.batch
+        for rid in plan.finished_request_ids:
+            batch.remove(rid)
+        batch.q_len[:batch.num_rows] = 0  # rows the plan does not schedule compute nothing
+        for new in plan.new_requests:
+            batch.add(new)
+        row_of, rows, counts = batch.row_of, [], []
+        for cached in plan.cached_requests:  # the per-request Python here is O(batch) and minimal
+            row = row_of.get(cached.request_id)
+            if row is None:
+                raise ValueError(f"cached request {cached.request_id!r} is not known to this worker")
+            rows.append(row)
+            counts.append(cached.num_scheduled_tokens)
+            if cached.new_block_ids or cached.replaced_block_ids:  # copy-on-write replacements first
+                batch.append_blocks(row, cached.new_block_ids, cached.replaced_block_ids)
+            if cached.new_token_ids:
+                batch.append_tokens(row, cached.new_token_ids)
+        batch.q_len[rows] = counts
+        cache.swap_out(plan.blocks_to_swap_out)
+        cache.swap_in(plan.blocks_to_swap_in)
+        cache.copy(plan.blocks_to_copy)
+        return self._run(cache)
 
-    def _prompt_logprobs(self, logits: torch.Tensor, spans: list[tuple[RequestState, int, int]]) -> list[PromptLogprobs]:
-        """One PromptLogprobs per span; ``logits`` ``[sum of counts, vocab]``, rows in span order."""
-        if not spans:
-            return []
-        targets = [t for state, first, count in spans for t in state.token_ids[first:first + count]]
-        k = max(state.sampling.prompt_logprobs for state, _, _ in spans)
-        lps, ranks, tops = prompt_logprobs(logits, torch.tensor(targets, device=logits.device), k)
-        out, row = [], 0
-        for state, first, count in spans:
-            want = state.sampling.prompt_logprobs
-            out.append(PromptLogprobs(state.request_id, first, lps[row:row + count], ranks[row:row + count],
-                                      [t[:want] for t in tops[row:row + count]]))
-            row += count
+    def _stage(self, dtype: torch.dtype, parts: list[np.ndarray]) -> list[torch.Tensor]:
+        """Host arrays as device tensors: on CUDA one pinned staging buffer and one non-blocking copy."""
+        if not self._pinned:
+            return [torch.from_numpy(p) for p in parts]
+        sizes = [-(-p.size // _ALIGN) * _ALIGN for p in parts]
+        total = sum(sizes)
+        buf = self._staging.get(dtype)
+        if buf is None or buf.numel() < total:
+            buf = self._staging[dtype] = torch.empty(max(total, 2 * (0 if buf is None else buf.numel())),
+                                                     dtype=dtype, pin_memory=True)
+        host = buf.numpy()
+        offsets = np.cumsum([0] + sizes)
+        for p, o in zip(parts, offsets):
+            host[o:o + p.size] = p
+        dev = buf[:total].to(self.device, non_blocking=True)
+        return [dev[o:o + p.size] for p, o in zip(parts, offsets)]
+
+    def _run(self, cache: CacheEngine) -> tuple[list[SampledToken], list[PromptLogprobs]]:
+        """Forward every row's scheduled tokens; sample the rows whose known tokens end there, and
+        score the prompt tokens of rows that asked for prompt logprobs."""
+        batch, bs, n = self.batch, self.block_size, self.batch.num_rows
+        q_len = batch.q_len[:n]
+        num_tokens = int(q_len.sum()) if n else 0
+        if num_tokens == 0:
+            return [], []
+        computed = batch.num_computed[:n]
+        end = computed + q_len
+        for bad, why in ((end > batch.num_tokens[:n], "tokens scheduled past the known tokens"),
+                         (batch.num_blocks[:n] * bs < end, "too few blocks")):
+            if bad.any():
+                row = int(bad.argmax())
+                raise ValueError(f"request {batch.request_ids[row]!r}: {why}: {int(q_len[row])} tokens scheduled "
+                                 f"from {int(computed[row])}, {int(batch.num_tokens[row])} tokens known, "
+                                 f"{int(batch.num_blocks[row])} blocks of {bs}")
+        query_start_loc = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(q_len, out=query_start_loc[1:])
+        seq_idx = np.repeat(np.arange(n), q_len)
+        positions = np.arange(num_tokens) - query_start_loc[seq_idx] + computed[seq_idx]
+        input_ids = batch.token_ids[seq_idx, positions].astype(np.int64)
+        slot_mapping = batch.block_table[seq_idx, positions // bs].astype(np.int64) * bs + positions % bs
+        sample_rows = np.flatnonzero((q_len > 0) & (end == batch.num_tokens[:n]))
+        logits_indices = query_start_loc[1:][sample_rows] - 1
+        # position p's logits predict token p + 1: score the prompt tokens this chunk predicts
+        scored = np.flatnonzero((batch.num_prompt_logprobs[:n] >= 0) & (q_len > 0) & (computed < batch.num_prompt[:n] - 1))
+        spans = [(int(r), int(computed[r]) + 1, int(min(end[r], batch.num_prompt[r] - 1) - computed[r]))
+                 for r in scored]  # (row, first prompt token scored, count): rows that asked only
+        if spans:
+            logits_indices = np.concatenate([np.arange(query_start_loc[r], query_start_loc[r] + c)
+                                             for r, _, c in spans] + [logits_indices])
+        input_ids, positions, slot_mapping, logits_indices = self._stage(
+            torch.int64, [input_ids, positions, slot_mapping, logits_indices])
+        seq_lens, qsl = self._stage(torch.int32, [end.astype(np.int32), query_start_loc.astype(np.int32)])
+        batch.flush_block_table()
+        meta = AttentionMetadata(slot_mapping, batch.block_table_dev[:n], seq_lens, qsl,
+                                 max_query_len=int(q_len.max()), max_seq_len=int(end.max()))
+        if self.graphs is not None and cache is self.cache and num_tokens == n and meta.max_query_len == 1 \
+                and self.graphs.padded_size(n) is not None:  # decode-only: replay a captured forward
+            logits = self.graphs.run(input_ids, positions, meta)[logits_indices]
+        else:
+            logits = self.model(input_ids, positions, meta, cache.k_caches, cache.v_caches, logits_indices)
+        batch.num_computed[:n] = end
+        num_scored = sum(c for _, _, c in spans)
+        prompt = self._prompt_logprobs(logits[:num_scored], spans) if spans else []
+        if sample_rows.size == 0:
+            return [], prompt
+        out = self.sampler.sample(logits[num_scored:], batch.sampling_batch(sample_rows))
+        batch.record_sampled(sample_rows, np.asarray(out.token_ids, dtype=np.int64))
+        ids = batch.request_ids
+        return [SampledToken(ids[r], t, lp, top) for r, t, lp, top in
+                zip(sample_rows.tolist(), out.token_ids, out.logprobs, out.top_logprobs)], prompt
+
+    def _prompt_logprobs(self, logits: torch.Tensor, spans: list[tuple[int, int, int]]) -> list[PromptLogprobs]:
+        """One PromptLogprobs per (row, first token, count) span; ``logits`` ``[sum of counts, vocab]`` in span order."""
+        batch = self.batch
+        targets = np.concatenate([batch.token_ids[r, first:first + c] for r, first, c in spans]).astype(np.int64)
+        k = int(max(batch.num_prompt_logprobs[r] for r, _, _ in spans))
+        lps, ranks, tops = prompt_logprobs(logits, torch.from_numpy(targets).to(logits.device), k)
+        out, at = [], 0
+        for r, first, c in spans:
+            want = int(batch.num_prompt_logprobs[r])
+            out.append(PromptLogprobs(batch.request_ids[r], first, lps[at:at + c], ranks[at:at + c],
+                                      [t[:want] for t in tops[at:at + c]]))
+            at += c
         return out

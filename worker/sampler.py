@@ -1,4 +1,4 @@
-"""Next-token selection: penalties, temperature, top-k / top-p / min-p, seeded sampling, logprobs.
+"""Next-token selection for a whole batch: penalties, temperature, top-k / top-p / min-p, seeded sampling, logprobs.
 
 Order per row (as HF's and vLLM's samplers): logit bias (OpenAI ``logit_bias``) and, before
 ``min_tokens`` output tokens, EOS and the stop token ids masked out (vLLM); repetition penalty (prompt + output tokens; HF
@@ -8,9 +8,15 @@ frequency penalties (output tokens only; OpenAI API: ``logit -= frequency * coun
 top_k, keep the smallest set of most likely tokens whose probability reaches top_p, drop tokens
 below min_p x the top probability, and draw from what is left.
 
-Randomness is a pure function of (seed, output index): a seeded row draws its noise from a fresh
-generator seeded by a hash of both, so its token does not depend on the batch, the step or a
-preemption. Unseeded rows draw from the sampler's own generator (EngineConfig.seed).
+Every step is a tensor op over all rows (`SamplingBatch` holds the per-row knobs as tensors and the
+penalties' token statistics as ``[rows, vocab]`` tensors); no Python runs per row except to build
+the logprob lists of rows that ask for them.
+
+Draws use the exponential race: ``argmax(p / E)`` with ``E ~ Exp(1)`` per token draws from ``p``
+(equivalent to Gumbel-max). A seeded row's noise is a pure function of (seed, output index, token
+id): a counter-based hash (`seeded_exponential`) turned into ``E = -log(U)`` with tensor ops, so its
+token does not depend on the batch, the step or a preemption, and no generator object exists per
+row. Unseeded rows draw from the sampler's own generator (EngineConfig.seed).
 
 Logprobs follow vLLM's default (``logprobs_mode="raw_logprobs"``): log-softmax of the model's raw
 logits, before penalties, temperature and truncation, so they describe the model's distribution.
@@ -24,15 +30,109 @@ import torch
 
 from pagedkv.common.sampling_params import SamplingParams
 
-_MASK64 = (1 << 64) - 1
+_M32 = 0xFFFFFFFF
 
 
-def row_seed(seed: int, output_index: int) -> int:
-    """A 63-bit generator seed mixing ``seed`` and ``output_index`` (splitmix64 finaliser, Steele et al. 2014)."""
-    z = (seed * 0x9E3779B97F4A7C15 + output_index + 1) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) >> 1
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit avalanche mix of int64 tensors holding values in [0, 2**32).
+
+    xorshift-multiply rounds (the shape of murmur3's fmix32) with multipliers below 2**31, so every
+    product stays below 2**63: exact in int64, the same on every device, no reliance on overflow.
+    """
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x1B873593) & _M32
+    return x ^ (x >> 16)
+
+
+def seeded_exponential(seeds: torch.Tensor, output_index: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Exp(1) noise ``[rows, vocab_size]`` float32, a pure function of (seed, output index, token id).
+
+    seeds: ``[rows]`` int64 in [0, 2**63); output_index: ``[rows]`` int64 (the output token being drawn).
+    Each row's key hashes both 32-bit halves of the seed and the index; each token's uniform is the
+    hash of (key, token id) mapped to (0, 1). Batch-independent by construction.
+    """
+    lo, hi = seeds & _M32, (seeds >> 32) & _M32
+    key = _mix32(_mix32(lo ^ _mix32(hi ^ 0x5BD1E995)) ^ (output_index & _M32))
+    tokens = (torch.arange(vocab_size, device=seeds.device, dtype=torch.int64) * 0x9E3779B1) & _M32
+    h = _mix32(_mix32(key[:, None] ^ tokens[None, :]) ^ key[:, None])
+    u = (h.double() + 0.5) * 2.0**-32  # in (0, 1)
+    return (-torch.log(u)).float()
+
+
+@dataclass
+class SamplingBatch:
+    """The knobs of ``rows`` sampled rows as tensors on the logits' device (see `SamplingParams`).
+
+    temperature, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty: ``[rows]``
+    float32; top_k ``[rows]`` int64 (<= 0 disables); seeds ``[rows]`` int64 and seeded ``[rows]``
+    bool; output_index ``[rows]`` int64. prompt_mask ``[rows, vocab]`` bool (token in the prompt) and
+    output_counts ``[rows, vocab]`` int32 (occurrences in the output), both None when no row has a
+    penalty. num_logprobs: per row, None or how many alternatives (host list). The host flags
+    (all_greedy, any_seeded, any_unseeded, any_top_k_top_p, any_min_p) let whole stages be
+    skipped without a device sync; a flag left True only costs time. bias and banned: the sparse
+    logit edits of `bias_and_bans` (``logit_bias``; stop tokens before ``min_tokens``), or None.
+    `greedy` builds a batch whose knob tensors are all None, for rows that only take the argmax.
+    """
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    repetition_penalty: torch.Tensor
+    presence_penalty: torch.Tensor
+    frequency_penalty: torch.Tensor
+    seeds: torch.Tensor
+    seeded: torch.Tensor
+    output_index: torch.Tensor
+    prompt_mask: torch.Tensor | None
+    output_counts: torch.Tensor | None
+    num_logprobs: list[int | None]
+    all_greedy: bool
+    any_seeded: bool
+    any_unseeded: bool
+    any_top_k_top_p: bool = True
+    any_min_p: bool = True
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @classmethod
+    def greedy(cls, num_logprobs: list[int | None], bias=None, banned=None) -> "SamplingBatch":
+        """Rows that all take the argmax with no penalty: no knob tensor is needed (they are None)."""
+        return cls(*[None] * 12, num_logprobs, True, False, False, False, False, bias, banned)
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams], prompt_ids: list[list[int]], output_ids: list[list[int]],
+                    vocab_size: int, device: torch.device, eos_token_ids: list[int] = ()) -> "SamplingBatch":
+        """Build from per-row Python objects (tests, tools); the worker keeps these tensors incrementally.
+
+        eos_token_ids: masked with each row's stop token ids while it has fewer than ``min_tokens`` outputs.
+        """
+        def col(name, dtype):
+            return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)
+
+        rows = len(params)
+        penalties = any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params)
+        prompt_mask = output_counts = None
+        if penalties:
+            prompt_mask = torch.zeros(rows, vocab_size, dtype=torch.bool, device=device)
+            output_counts = torch.zeros(rows, vocab_size, dtype=torch.int32, device=device)
+            for i in range(rows):
+                prompt_mask[i, torch.tensor(prompt_ids[i], dtype=torch.int64, device=device)] = True
+                output_counts[i] = torch.bincount(torch.tensor(output_ids[i], dtype=torch.int64),
+                                                  minlength=vocab_size)[:vocab_size].to(device)
+        return cls(col("temperature", torch.float32), col("top_k", torch.int64), col("top_p", torch.float32),
+                   col("min_p", torch.float32), col("repetition_penalty", torch.float32),
+                   col("presence_penalty", torch.float32), col("frequency_penalty", torch.float32),
+                   torch.tensor([p.seed or 0 for p in params], dtype=torch.int64, device=device),
+                   torch.tensor([p.seed is not None for p in params], device=device),
+                   torch.tensor([len(o) for o in output_ids], dtype=torch.int64, device=device),
+                   prompt_mask, output_counts, [p.logprobs for p in params],
+                   all(p.greedy for p in params), any(not p.greedy and p.seed is not None for p in params),
+                   any(not p.greedy and p.seed is None for p in params),
+                   any(p.top_k > 0 or p.top_p < 1 for p in params), any(p.min_p > 0 for p in params),
+                   *bias_and_bans(list(range(rows)), params, [len(o) for o in output_ids], list(eos_token_ids), device))
 
 
 @dataclass
@@ -53,66 +153,86 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], prompt_ids: list[list[int]],
                  output_ids: list[list[int]]) -> SamplerOutput:
-        """Pick the next token of each row.
+        """`sample` with the rows given as Python objects; a row's output index is ``len(output_ids[i])``."""
+        batch = SamplingBatch.from_params(params, prompt_ids, output_ids, logits.shape[1], logits.device,
+                                          self.eos_token_ids)
+        return self.sample(logits, batch)
 
-        logits: ``[num_rows, vocab]`` (any float dtype; not modified). params, prompt_ids,
-        output_ids: one entry per row; a row's output index is ``len(output_ids[i])``.
-        """
-        raw = logits
-        logits = logits.to(torch.float32, copy=True)
-        apply_bias_and_min_tokens(logits, params, output_ids, self.eos_token_ids)
-        apply_penalties(logits, params, prompt_ids, output_ids)
-        tokens = logits.argmax(dim=-1)
-        random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if random_rows:
-            idx = torch.tensor(random_rows, device=logits.device)
-            probs = truncated_probs(logits[idx], [params[i] for i in random_rows])
-            noise = torch.empty_like(probs)
-            unseeded = [j for j, i in enumerate(random_rows) if params[i].seed is None]
-            if unseeded:
-                noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
-                    generator=self.generator)
-            for j, i in enumerate(random_rows):
-                if params[i].seed is not None:
-                    gen = torch.Generator(device=probs.device).manual_seed(row_seed(params[i].seed, len(output_ids[i])))
-                    noise[j].exponential_(generator=gen)
-            # argmax(p / E), E ~ Exp(1), draws from p (the exponential race, equivalent to Gumbel-max)
-            tokens[idx] = (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)
-        return SamplerOutput(tokens.tolist(), *self._logprobs(raw, tokens, params))
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """Pick the next token of each row. logits: ``[rows, vocab]`` (any float dtype; not modified)."""
+        tokens = self.sample_tensor(logits, batch)
+        return SamplerOutput(tokens.tolist(), *self._logprobs(logits, tokens, batch.num_logprobs))
+
+    def sample_tensor(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The chosen token ids ``[rows]`` int64 on the logits' device, without a host sync."""
+        if batch.all_greedy and batch.prompt_mask is None and batch.bias is None and batch.banned is None:
+            return logits.argmax(dim=-1)
+        x = logits.to(torch.float32, copy=True)
+        if batch.bias is not None:
+            rows, ids, values = batch.bias
+            x.index_put_((rows, ids), values, accumulate=True)
+        if batch.banned is not None:
+            x[batch.banned] = float("-inf")
+        if batch.prompt_mask is not None:
+            apply_penalties(x, batch)
+        tokens = x.argmax(dim=-1)
+        if batch.all_greedy:
+            return tokens
+        probs = truncated_probs(x, batch)
+        noise = torch.empty_like(probs)
+        if batch.any_unseeded:
+            noise.exponential_(generator=self.generator)
+        if batch.any_seeded:
+            seeded = seeded_exponential(batch.seeds, batch.output_index, probs.shape[1])
+            noise = torch.where(batch.seeded[:, None], seeded, noise)
+        drawn = (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)
+        return torch.where(batch.temperature == 0, tokens, drawn)
 
     @staticmethod
-    def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]):
-        n = len(params)
+    def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, num_logprobs: list[int | None]):
+        n = len(num_logprobs)
         logprobs: list[float | None] = [None] * n
         tops: list[list[tuple[int, float]] | None] = [None] * n
-        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        rows = [i for i, k in enumerate(num_logprobs) if k is not None]
         if not rows:
             return logprobs, tops
         idx = torch.tensor(rows, device=raw.device)
         lp = torch.log_softmax(raw[idx].float(), dim=-1)
         chosen = lp.gather(1, tokens[idx, None]).squeeze(1).tolist()
-        k = max(params[i].logprobs for i in rows)
+        k = max(num_logprobs[i] for i in rows)
         top_vals, top_ids = lp.topk(min(k, lp.shape[1]), dim=-1) if k else (lp[:, :0], lp[:, :0].long())
         top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
         for j, i in enumerate(rows):
             logprobs[i] = chosen[j]
-            want = params[i].logprobs
+            want = num_logprobs[i]
             tops[i] = list(zip(top_ids[j][:want], top_vals[j][:want]))
         return logprobs, tops
 
 
-def apply_bias_and_min_tokens(logits: torch.Tensor, params: list[SamplingParams], output_ids: list[list[int]],
-                              eos_token_ids: list[int]) -> None:
-    """Add each row's ``logit_bias``; while a row has fewer than ``min_tokens`` outputs, forbid
-    its stop token ids and (unless ``ignore_eos``) EOS. ``logits`` ``[num_rows, vocab]`` float32, in place."""
-    for i, p in enumerate(params):
+def bias_and_bans(rows: list[int], params: list[SamplingParams], output_index: list[int],
+                  eos_token_ids: list[int], device: torch.device):
+    """The sparse logit edits of the given rows: ``(bias, banned)`` for `SamplingBatch`, each None when empty.
+
+    rows: batch row indices; params and output_index: that row's knobs and output tokens so far.
+    bias is ``(rows, token ids, values)`` (``[k]`` int64, int64, float32): each row's ``logit_bias``;
+    banned is ``(rows, token ids)``: while a row has fewer than ``min_tokens`` outputs, its stop
+    token ids and (unless ``ignore_eos``) EOS. Python runs only for the rows passed, which callers
+    limit to rows with a bias or a pending ``min_tokens``.
+    """
+    b_rows, b_ids, b_vals, x_rows, x_ids = [], [], [], [], []
+    for row, p, index in zip(rows, params, output_index):
         if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=logits.device)
-            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
-        if len(output_ids[i]) < p.min_tokens:
+            b_rows += [row] * len(p.logit_bias)
+            b_ids += p.logit_bias.keys()
+            b_vals += p.logit_bias.values()
+        if index < p.min_tokens:
             stop = p.stop_token_ids + ([] if p.ignore_eos else eos_token_ids)
-            if stop:
-                logits[i, torch.tensor(stop, dtype=torch.int64, device=logits.device)] = float("-inf")
+            x_rows += [row] * len(stop)
+            x_ids += stop
+    def longs(v):
+        return torch.tensor(v, dtype=torch.int64, device=device)
+    bias = (longs(b_rows), longs(b_ids), torch.tensor(b_vals, dtype=torch.float32, device=device)) if b_rows else None
+    return bias, ((longs(x_rows), longs(x_ids)) if x_rows else None)
 
 
 def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int):
@@ -131,42 +251,39 @@ def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int):
     return chosen.squeeze(1).tolist(), ranks.tolist(), tops
 
 
-def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], prompt_ids: list[list[int]],
-                    output_ids: list[list[int]]) -> None:
-    """Apply repetition, presence and frequency penalties to ``logits`` ``[num_rows, vocab]`` in place."""
-    for i, p in enumerate(params):
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(prompt_ids[i]) | set(output_ids[i])), dtype=torch.int64,
-                                device=logits.device)
-            if seen.numel():
-                row = logits[i, seen]
-                logits[i, seen] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-        if (p.presence_penalty or p.frequency_penalty) and output_ids[i]:
-            ids, counts = torch.tensor(output_ids[i], device=logits.device).unique(return_counts=True)
-            logits[i, ids] -= p.frequency_penalty * counts.float() + p.presence_penalty
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    """Apply repetition, presence and frequency penalties to ``logits`` ``[rows, vocab]`` float32 in place.
+
+    Needs ``batch.prompt_mask`` and ``batch.output_counts``; rows with neutral knobs are unchanged.
+    """
+    counts = batch.output_counts.to(torch.float32)
+    seen = batch.prompt_mask | (batch.output_counts > 0)
+    rep = batch.repetition_penalty[:, None]
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits.copy_(torch.where(seen, penalised, logits))
+    logits -= batch.frequency_penalty[:, None] * counts + batch.presence_penalty[:, None] * (counts > 0)
 
 
-def truncated_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def truncated_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Probabilities ``[rows, vocab]`` float32 after temperature, top-k, top-p and min-p.
 
-    top_k <= 0 disables it; top_p 1 disables it; the most likely token is always kept.
+    top_k <= 0 disables it; top_p 1 disables it; the most likely token is always kept. Greedy rows
+    (temperature 0) come out as if temperature were 1; the caller takes their argmax instead.
     """
-    dev = logits.device
-    logits = logits / torch.tensor([p.temperature for p in params], device=dev)[:, None]
     vocab = logits.shape[1]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev).clamp_max(vocab)
-    top_p = torch.tensor([p.top_p for p in params], device=dev)
-    if (top_k < vocab).any() or (top_p < 1).any():
+    temperature = torch.where(batch.temperature > 0, batch.temperature, 1.0)
+    logits = logits / temperature[:, None]
+    if batch.any_top_k_top_p:  # one sort serves both
+        top_k = torch.where(batch.top_k > 0, batch.top_k, vocab).clamp_max(vocab)
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        rank = torch.arange(vocab, device=dev)[None, :]
+        rank = torch.arange(vocab, device=logits.device)[None, :]
         sorted_logits.masked_fill_(rank >= top_k[:, None], float("-inf"))
         sorted_probs = sorted_logits.softmax(dim=-1)
         # drop a token when the more likely ones already reach top_p
-        beyond = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]
-        sorted_logits.masked_fill_(beyond & (top_p < 1)[:, None], float("-inf"))
+        beyond = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= batch.top_p[:, None]
+        sorted_logits.masked_fill_(beyond & (batch.top_p < 1)[:, None], float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
     probs = logits.softmax(dim=-1)
-    min_p = torch.tensor([p.min_p for p in params], device=dev)
-    if (min_p > 0).any():
-        probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+    if batch.any_min_p:
+        probs = probs.masked_fill(probs < batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
     return probs

@@ -42,10 +42,14 @@ def select_device(config: EngineConfig, rank: int) -> torch.device:
 
 
 def select_dtype(config: EngineConfig, model: ModelConfig, device: torch.device) -> torch.dtype:
-    """``auto``: the checkpoint's torch_dtype on CUDA, float32 on CPU; else the named dtype."""
+    """``auto``: on CUDA the checkpoint's torch_dtype, except float32 which serves as bfloat16 (half the
+    bytes per weight and KV token, tensor cores); float32 on CPU. Otherwise the named dtype."""
     if config.dtype != "auto":
         return torch_dtype(config.dtype)
-    return torch_dtype(model.torch_dtype) if device.type == "cuda" else torch.float32
+    if device.type != "cuda":
+        return torch.float32
+    dtype = torch_dtype(model.torch_dtype)
+    return torch.bfloat16 if dtype == torch.float32 else dtype
 
 
 def max_num_gpu_blocks(runner: ModelRunner) -> int:
@@ -83,6 +87,8 @@ def load(msg: LoadModel) -> tuple[ModelRunner, WorkerHello]:
     log.info("weights loaded in %.1f s; profiling memory", time.monotonic() - start)
     num_blocks = max_num_gpu_blocks(runner)
     log.info("KV budget: %d blocks of %d tokens; measuring swap bandwidth", num_blocks, cfg.block_size)
+    if device.type == "cuda":
+        runner.warm_up()  # compile the Triton kernels now, not at the first request that needs one
     hello = WorkerHello(rank=msg.rank, device=str(device), dtype=str(dtype).removeprefix("torch."),
                         kv_bytes_per_block=runner.kv_bytes_per_block, max_num_gpu_blocks=num_blocks,
                         swap_bandwidth=measure_swap_bandwidth(

@@ -133,13 +133,16 @@ def _attend(q, k_cache, v_cache, tables, seq_lens, starts, q_lens, max_q, scale,
     j = torch.arange(max_q)
     valid = j[None, :] < q_lens[:, None]  # [seqs, max_q]
     rows = torch.where(valid, starts[:, None] + j[None, :], 0)
-    qs = q[rows].view(num_seqs, max_q, num_kv_heads, group, head_dim)
-    scores = torch.einsum("sqhgd,skhd->shgqk", qs.float(), k.float()) * scale
+    # [seqs, kv_heads, group * max_q, head_dim]: one matmul per (sequence, kv head) serves its whole group
+    qs = q[rows].view(num_seqs, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    qs = qs.reshape(num_seqs, num_kv_heads, group * max_q, head_dim).float()
+    scores = torch.matmul(qs, k.float().permute(0, 2, 3, 1)).mul_(scale)  # [seqs, kv_heads, group * max_q, ctx]
     q_pos = (seq_lens - q_lens)[:, None] + j[None, :]  # absolute position of each query
     hidden = torch.arange(k.shape[1])[None, None, :] > q_pos[:, :, None]  # [seqs, max_q, ctx]
-    scores.masked_fill_(hidden[:, None, None], float("-inf"))
+    scores.view(num_seqs, num_kv_heads, group, max_q, -1).masked_fill_(hidden[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    o = torch.einsum("shgqk,skhd->sqhgd", probs, v.float())
+    o = torch.matmul(probs, v.float().permute(0, 2, 1, 3))  # [seqs, kv_heads, group * max_q, head_dim]
+    o = o.view(num_seqs, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)  # [seqs, max_q, kv, g, d]
     out[rows[valid]] = o[valid].view(-1, num_heads, head_dim).to(out.dtype)
 
 

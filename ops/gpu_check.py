@@ -1,0 +1,154 @@
+"""GPU checks of the worker hot path, for ops/gpu_check.sh (needs a CUDA GPU; never downloads anything).
+
+``kernels``: the compiled Triton kernels against the per-sequence PyTorch oracle on CUDA in
+bf16/fp16/fp32 (random mixed decode/prefill/extend batches, the decode-only hint, split-K at long
+contexts), and copy_blocks with a destination that is also a source.
+
+``anatomy``: Llama-3.1-8B shapes with dummy weights (bf16), decode steps at a batch x context grid
+through `ModelRunner.execute`, eager and with CUDA graphs: wall ms per step, host ms (CPU time
+of the thread, up to the sampler's device-to-host copy) and GPU busy % (CUDA events from the
+first to the last kernel of the step, over wall).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+
+ATOL = {torch.float32: 2e-3, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def check_kernels() -> bool:
+    from pagedkv.kernels import reference, triton_kernels
+
+    dev = torch.device("cuda")
+    ok = True
+    rng = random.Random(0)
+    for trial in range(24):
+        dtype = [torch.bfloat16, torch.float16, torch.float32][trial % 3]
+        kv_heads = rng.choice([1, 2, 8])
+        heads = kv_heads * rng.choice([1, 2, 4])
+        head_dim = rng.choice([64, 128])
+        bs = rng.choice([16, 32])
+        q_lens, seq_lens = [], []
+        for _ in range(rng.randint(1, 24)):
+            q = rng.choice([1, 1, 1, rng.randint(2, 300)])
+            q_lens.append(q)
+            seq_lens.append(q + rng.choice([0, rng.randint(1, 6000)]))
+        nblk = [-(-s // bs) for s in seq_lens]
+        perm = torch.randperm(sum(nblk) + 3)
+        tables = torch.zeros(len(seq_lens), max(nblk) + 4, dtype=torch.int32)
+        used = 0
+        for i, n in enumerate(nblk):
+            tables[i, :n] = perm[used:used + n]
+            used += n
+        shape = (sum(nblk) + 3, bs, kv_heads, head_dim)
+        k = torch.randn(shape, device=dev).to(dtype)
+        v = torch.randn(shape, device=dev).to(dtype)
+        q = torch.randn(sum(q_lens), heads, head_dim, device=dev).to(dtype)
+        qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+        args = (q, k, v, tables.to(dev), torch.tensor(seq_lens, dtype=torch.int32, device=dev), qsl, head_dim ** -0.5)
+        want = reference.paged_attention(*args).float()
+        hint = dict(max_query_len=max(q_lens), max_seq_len=max(seq_lens))
+        for name, got in (("no hint", triton_kernels.paged_attention(*args)),
+                          ("hint", triton_kernels.paged_attention(*args, **hint)),
+                          ("batched torch", reference.batched_paged_attention(*args))):
+            err = (got.float() - want).abs().max().item()
+            good = err <= ATOL[dtype]
+            ok &= good
+            if not good:
+                print(f"  FAIL attention {name} trial {trial} {dtype} err {err:.2e}")
+    # copy_blocks: a chain and a cycle, destination also a source, mapping on host and on device
+    for on_device in (False, True):
+        kc = [torch.randn(10, 16, 8, 128, device=dev, dtype=torch.bfloat16) for _ in range(3)]
+        vc = [torch.randn_like(t) for t in kc]
+        ek, ev = [t.clone() for t in kc], [t.clone() for t in vc]
+        mapping = torch.tensor([[1, 2], [2, 3], [5, 6], [6, 5], [0, 9]])
+        reference.copy_blocks(ek, ev, mapping)
+        triton_kernels.copy_blocks(kc, vc, mapping.to(dev) if on_device else mapping)
+        good = all(torch.equal(a, b) for a, b in zip(kc + vc, ek + ev))
+        ok &= good
+        if not good:
+            print(f"  FAIL copy_blocks aliasing (mapping on {'device' if on_device else 'host'})")
+    print(f"kernels vs oracle on CUDA: {'OK' if ok else 'FAILED'}")
+    return ok
+
+
+def anatomy(config_dir: str, grid: list[tuple[int, int]], steps: int) -> list[dict]:
+    from pagedkv.common.config import EngineConfig, ModelConfig
+    from pagedkv.common.protocol import CachedRequestData, NewRequestData, StepPlan
+    from pagedkv.common.sampling_params import SamplingParams
+    from pagedkv.worker.model_runner import ModelRunner
+
+    dev = torch.device("cuda")
+    max_ctx = max(c for _, c in grid) + steps + 32
+    max_seqs = max(b for b, _ in grid)
+    cfg = EngineConfig(model=config_dir, load_format="dummy", max_num_seqs=max_seqs, max_model_len=max_ctx,
+                       enforce_eager=True)
+    runner = ModelRunner(cfg, dev, torch.bfloat16, ModelConfig.load(config_dir))
+    runner.warm_up()
+    runner.init_cache(max(b * -(-(c + steps + 1) // 16) for b, c in grid) + 8, 0)  # one grid point at a time
+    rows = []
+    greedy = SamplingParams(temperature=0.0, max_tokens=steps + 4)
+    for graphs in (False, True):
+        runner.graphs = None
+        if graphs:
+            runner.init_decode_graphs()
+        for batch, ctx in grid:
+            nb = -(-(ctx + steps + 1) // 16)
+            news = [NewRequestData(f"r{i}", [(i + j) % 1000 for j in range(ctx)], ctx,
+                                   list(range(i * nb, (i + 1) * nb)), ctx - 1, 1, greedy) for i in range(batch)]
+            runner.execute(StepPlan(0, new_requests=news))
+            walls, hosts, busy = [], [], []
+            for s in range(1, steps + 1):
+                plan = StepPlan(s, cached_requests=[CachedRequestData(f"r{i}", [], 1) for i in range(batch)])
+                torch.cuda.synchronize()
+                start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                w0, h0 = time.perf_counter(), time.thread_time()
+                start_ev.record()
+                result = runner.execute(plan)  # ends with the sampled tokens' copy to the host
+                end_ev.record()
+                h1 = time.thread_time()
+                torch.cuda.synchronize()
+                w1 = time.perf_counter()
+                assert result.error is None and len(result.sampled) == batch
+                if s > 3:
+                    walls.append(1000 * (w1 - w0))
+                    hosts.append(1000 * (h1 - h0))
+                    busy.append(start_ev.elapsed_time(end_ev) / (1000 * (w1 - w0)))
+            runner.execute(StepPlan(steps + 1, finished_request_ids=[f"r{i}" for i in range(batch)]))
+            row = {"graphs": graphs, "batch": batch, "context": ctx, "wall_ms": statistics.median(walls),
+                   "host_cpu_ms": statistics.median(hosts), "gpu_span_over_wall": statistics.median(busy)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("what", choices=["kernels", "anatomy"])
+    p.add_argument("--model-config", default=str(Path(__file__).resolve().parents[2] / "shared/model-configs/llama-3.1-8b"))
+    p.add_argument("--grid", default="1x1024,16x1024,64x1024,256x1024,64x8192")
+    p.add_argument("--steps", type=int, default=12)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing checked")
+        return
+    if args.what == "kernels":
+        sys.exit(0 if check_kernels() else 1)
+    grid = [tuple(int(x) for x in g.split("x")) for g in args.grid.split(",")]
+    anatomy(args.model_config, grid, args.steps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""Write a ~200M-parameter Llama-architecture model directory for weights-bound benchmarks (dummy weights).
+
+16 layers, hidden 1024, intermediate 2816, 16 heads (GQA 4 KV heads), stories260K's 512-token
+tokenizer (copied from the shared test model; no weights are written: serve it with
+``--load-format dummy``). At fp32 a decode step reads ~0.8 GB of weights, so reading weights,
+not per-request work, dominates a step, as on a GPU.
+
+    python ops/weights_bound_model.py /tmp/llama-200m   # prints the directory
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+STORIES = Path(__file__).resolve().parents[2] / "shared/models/stories260K"
+CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 1024,
+          "intermediate_size": 2816, "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 4,
+          "head_dim": 64, "vocab_size": 512, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
+          "rope_theta": 10000.0, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+          "torch_dtype": "float32"}
+
+
+def main() -> None:
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else "llama-200m")
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        shutil.copy(STORIES / name, out / name)
+    (out / "config.json").write_text(json.dumps(CONFIG, indent=1))
+    print(out)
+
+
+if __name__ == "__main__":
+    main()

@@ -88,8 +88,8 @@ def batched_paged_attention(
 ) -> torch.Tensor:
     """`paged_attention` for a whole batch at once, with no Python loop over sequences.
 
-    Same arguments, semantics and result as `paged_attention` (the oracle). max_query_len and
-    max_seq_len are optional hints (the batch's largest q_len and seq_len) that spare a scan.
+    Same arguments, semantics and result as `paged_attention` (the oracle), on any device.
+    max_query_len and max_seq_len are accepted for parity with the Triton backend and unused.
     Sequences are split into decode (q_len 1) and prefill/extend (q_len > 1) groups, each sorted by
     context length and cut into chunks of at most ``_GATHER_BUDGET`` gathered K (or score) elements; a chunk
     gathers its K/V through the block table into ``[seqs, ctx, kv_heads, head_dim]``, pads its
@@ -130,7 +130,7 @@ def _attend(q, k_cache, v_cache, tables, seq_lens, starts, q_lens, max_q, scale,
     blocks = tables[:, :num_blocks].long().clamp_min(0)  # unused columns may hold anything (-1)
     k = k_cache[blocks].view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
     v = v_cache[blocks].view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
-    j = torch.arange(max_q)
+    j = torch.arange(max_q, device=q.device)
     valid = j[None, :] < q_lens[:, None]  # [seqs, max_q]
     rows = torch.where(valid, starts[:, None] + j[None, :], 0)
     # [seqs, kv_heads, group * max_q, head_dim]: one matmul per (sequence, kv head) serves its whole group
@@ -138,7 +138,7 @@ def _attend(q, k_cache, v_cache, tables, seq_lens, starts, q_lens, max_q, scale,
     qs = qs.reshape(num_seqs, num_kv_heads, group * max_q, head_dim).float()
     scores = torch.matmul(qs, k.float().permute(0, 2, 3, 1)).mul_(scale)  # [seqs, kv_heads, group * max_q, ctx]
     q_pos = (seq_lens - q_lens)[:, None] + j[None, :]  # absolute position of each query
-    hidden = torch.arange(k.shape[1])[None, None, :] > q_pos[:, :, None]  # [seqs, max_q, ctx]
+    hidden = torch.arange(k.shape[1], device=q.device)[None, None, :] > q_pos[:, :, None]  # [seqs, max_q, ctx]
     scores.view(num_seqs, num_kv_heads, group, max_q, -1).masked_fill_(hidden[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     o = torch.matmul(probs, v.float().permute(0, 2, 1, 3))  # [seqs, kv_heads, group * max_q, head_dim]

@@ -1,7 +1,8 @@
 """Worker host cost per decode step with the forward replaced by a stub: input preparation + sampling.
 
 What a GPU would wait for: the worker's Python and tensor bookkeeping between plans. The model is a
-stub returning zero logits (greedy sampling over ``--vocab`` ids), so only the host path is timed:
+stub returning rows of one fixed random logits tensor (greedy sampling over ``--vocab`` ids; it
+allocates nothing per step, so its own cost is not counted), so only the host path is timed:
 decoding the plan's bytes (msgspec) and `ModelRunner.execute`. Shapes: ``--shapes`` NxC = N running
 requests at a context of C tokens, each decoding one token per step (a new block every block_size
 steps, as in serving).
@@ -70,10 +71,16 @@ def _stub_runner(num_requests, context, vocab, steps, block_size):
         runner = ModelRunner(cfg, torch.device("cpu"), torch.float32, model_config)
 
     class Stub(torch.nn.Module):
-        def forward(self, input_ids, positions, meta, k_caches, v_caches, logits_indices):
-            return torch.zeros(logits_indices.shape[0], vocab)
+        """Returns rows of one fixed random logits tensor: the stand-in forward costs (almost) nothing itself."""
 
-    runner.model = Stub()
+        logits = torch.randn(num_requests, vocab, generator=torch.Generator().manual_seed(0))
+
+        def forward(self, input_ids, positions, meta, k_caches, v_caches, logits_indices):
+            return self.logits[:logits_indices.shape[0]]
+
+    stub = Stub()
+    stub.kernels = runner.model.kernels  # the cache engine takes the model's kernel backend
+    runner.model = stub
     runner.init_cache(1, 0)  # the stub reads no KV: block ids below are only bookkeeping
     return runner
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from pagedkv.common.sampling_params import SamplingParams
-from pagedkv.worker.sampler import Sampler, SamplingBatch, apply_penalties, seeded_exponential, truncated_probs
+from pagedkv.worker.sampler import (Sampler, SamplingBatch, apply_penalties, argmax, seeded_exponential,
+                                    truncated_probs)
 
 CPU = torch.device("cpu")
 LOGITS = torch.tensor([[1.0, 3.0, -2.0, 2.5, 0.0, -1.0]])
@@ -26,6 +27,25 @@ def test_greedy_is_argmax_and_leaves_the_input_untouched():
     before = LOGITS.clone()
     assert sample(LOGITS, [SamplingParams(temperature=0.0)]).token_ids == [1]
     assert torch.equal(LOGITS, before)
+
+
+def test_cpu_argmax_equals_torch_argmax_first_maximum_and_nan_included():
+    x = torch.tensor([[1.0, 3.0, 3.0, 0.0], [float("nan"), 5.0, 5.0, float("nan")], [2.0, 2.0, 2.0, 2.0],
+                      [-1.0, float("-inf"), -0.5, -0.5]])
+    assert argmax(x).tolist() == x.argmax(dim=-1).tolist() == [1, 0, 0, 2]
+    assert argmax(x[:, 1:]).tolist() == x[:, 1:].argmax(dim=-1).tolist() == [0, 2, 0, 1]  # a strided view
+    assert argmax(x.to(torch.bfloat16)).tolist() == [1, 0, 0, 2]  # other dtypes: torch's own argmax
+    assert argmax(x).dtype == torch.int64
+
+
+def test_logit_bias_and_min_tokens_apply_to_random_and_greedy_rows_of_one_batch():
+    logits = LOGITS.repeat(2, 1)
+    params = [SamplingParams(logit_bias={5: 100.0}, seed=1),  # random row: token 5 now holds ~all the mass
+              SamplingParams(temperature=0.0, min_tokens=1, stop_token_ids=[1])]  # greedy row
+    sampler = Sampler(0, CPU, eos_token_ids=[3])
+    # before min_tokens, the stop token 1 and EOS 3 (the two best) are masked: 0 (1.0) is next
+    assert sampler(logits, params, [[]] * 2, [[]] * 2).token_ids == [5, 0]
+    assert sampler(logits, params, [[]] * 2, [[], [4]]).token_ids == [5, 1]  # one output: min_tokens reached
 
 
 @pytest.mark.parametrize("params", [SamplingParams(top_k=1), SamplingParams(top_p=1e-6),

@@ -148,20 +148,21 @@ class ModelRunner:
         batch.q_len[:batch.num_rows] = 0  # rows the plan does not schedule compute nothing
         for new in plan.new_requests:
             batch.add(new)
-        row_of, rows, counts = batch.row_of, [], []
-        for cached in plan.cached_requests:  # the per-request Python here is O(batch) and minimal
-            row = row_of.get(cached.request_id)
-            if row is None:
-                raise ValueError(f"cached request {cached.request_id!r} is not known to this worker")
-            rows.append(row)
-            counts.append(cached.num_scheduled_tokens)
-            if cached.new_block_ids or cached.replaced_block_ids:  # copy-on-write replacements first
-                batch.append_blocks(row, cached.new_block_ids, cached.replaced_block_ids)
-            if cached.new_token_ids:
-                batch.append_tokens(row, cached.new_token_ids)
-        batch.q_len[rows] = counts
-        cache.swap_out(plan.blocks_to_swap_out)
-        cache.swap_in(plan.blocks_to_swap_in)
+        cached = plan.cached_requests  # the per-request Python here is O(batch) and minimal
+        try:
+            rows = [batch.row_of[c.request_id] for c in cached]
+        except KeyError as e:
+            raise ValueError(f"cached request {e.args[0]!r} is not known to this worker") from None
+        batch.q_len[rows] = [c.num_scheduled_tokens for c in cached]
+        for c, row in zip(cached, rows):
+            if c.new_block_ids or c.replaced_block_ids:  # copy-on-write replacements first
+                batch.append_blocks(row, c.new_block_ids, c.replaced_block_ids)
+            if c.new_token_ids:
+                batch.append_tokens(row, c.new_token_ids)
+        if plan.blocks_to_swap_out:
+            cache.swap_out(plan.blocks_to_swap_out)
+        if plan.blocks_to_swap_in:
+            cache.swap_in(plan.blocks_to_swap_in)
         cache.copy(plan.blocks_to_copy)
         return self._run(cache)
 

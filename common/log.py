@@ -30,7 +30,9 @@ def configure_logging(fmt: str = "console", level: str | int = "info") -> None:
             raise ValueError(f"log level must be one of {sorted(_LEVELS)}, got {level!r}")
         level = _LEVELS[level.lower()]
     renderer = (structlog.processors.JSONRenderer() if fmt == "json"
-                else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()))
+                # plain tracebacks: rich's, with every frame's locals (tensors), took tens of seconds
+                else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty(),
+                                                   exception_formatter=structlog.dev.plain_traceback))
     shared = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,

@@ -9,6 +9,12 @@ The control plane binds a ROUTER socket; each worker connects a DEALER socket. S
     worker  -> WorkerReady
     then one StepPlan -> StepResult per engine step, until Shutdown.
 
+Under tensor parallelism N workers (ranks) connect to the same socket and each says its rank in
+`Register`; every message above goes to every rank, a StepPlan encoded once and the same bytes sent
+to each. Every rank answers each step; rank 0's StepResult carries the sampled tokens, the others'
+only the token ids, which the control plane checks against rank 0's (every rank samples the same
+tokens and appends them to its own mirror, see `worker.parallel`).
+
 A `StepPlan` carries deltas, in the style of vLLM V1's SchedulerOutput: a request travels whole
 once (`NewRequestData`), afterwards only its new block ids and token count (`CachedRequestData`).
 The worker mirrors each request (its token ids and block table) and appends the tokens it samples
@@ -27,7 +33,7 @@ import msgspec
 from pagedkv.common.config import EngineConfig
 from pagedkv.common.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 2  # 2: prompt logprobs; logit_bias, min_tokens in SamplingParams
+PROTOCOL_VERSION = 3  # 2: prompt logprobs; logit_bias, min_tokens in SamplingParams; 3: Register carries rank and world_size (tensor parallelism)
 
 
 class NewRequestData(msgspec.Struct, array_like=True):
@@ -131,8 +137,12 @@ class StepResult(msgspec.Struct, tag="result"):
 
 
 class Register(msgspec.Struct, tag="register"):
+    """A worker's first message: who it is, and its place in a tensor-parallel group."""
+
     protocol_version: int
     pid: int
+    rank: int = 0
+    world_size: int = 1
 
 
 class LoadModel(msgspec.Struct, tag="load_model"):

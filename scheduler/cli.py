@@ -171,6 +171,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="paged-attention implementation; default: triton on CUDA, torch on CPU")
     g.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run decode steps eagerly instead of replaying captured CUDA graphs")
+    g.add_argument("--tensor-parallel-size", "-tp", type=_int_in(1), default=d.tensor_parallel_size, metavar="N",
+                   help="worker ranks the model is sharded over (Megatron-style: heads and MLP split, one "
+                        "all-reduce after attention and one after the MLP per layer); must divide the attention "
+                        "heads and intermediate_size, and divide or be a multiple of the KV heads")
     g.add_argument("--worker-timeout", type=_float_in(0.0, lo_open=True), default=d.worker_timeout,
                    metavar="SECONDS", help="a worker that does not answer a step within this is declared failed")
     g.add_argument("--worker-address", default=None, metavar="ADDR",
@@ -208,6 +212,10 @@ def _engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         if args.log_level == "debug":
             traceback.print_exc()
         parser.error(str(e))
+    try:
+        model.shard(args.tensor_parallel_size)
+    except ValueError as e:
+        parser.error(f"--tensor-parallel-size: {e}")
     return EngineConfig(
         model=model.path, served_model_name=list(args.served_model_name or []), chat_template=template,
         load_format=args.load_format, dtype=args.dtype, device=args.device, seed=args.seed,
@@ -219,7 +227,7 @@ def _engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
         enable_prefix_caching=args.enable_prefix_caching, prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         preemption_mode=args.preemption_mode, scheduling_policy=args.scheduling_policy,
-        otlp_traces_endpoint=args.otlp_traces_endpoint)
+        otlp_traces_endpoint=args.otlp_traces_endpoint, tensor_parallel_size=args.tensor_parallel_size)
 
 
 def _run(coro) -> int:
@@ -383,10 +391,13 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 # ---- worker, capacity -----------------------------------------------------------------------
 
 def _cmd_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from pagedkv.common.config import check_rank_arguments
+
+    check_rank_arguments(args, parser)
     configure_logging(args.log_format, args.log_level)
     from pagedkv.worker.worker import run  # torch is imported here, in the worker process only
 
-    run(args.connect)
+    run(args.connect, args.rank, args.world_size, args.dist_init_method)
     return 0
 
 
@@ -428,11 +439,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="text: prompt + completion per output; jsonl: one JSON object per output")
     gen.set_defaults(handler=_cmd_generate)
 
+    from pagedkv.common.config import add_rank_arguments
+
     work = sub.add_parser("worker", formatter_class=_HelpFormatter,
                           help="run one worker process that joins a control plane",
-                          description="Run a worker that connects to `pagedkv serve --external-worker "
-                                      "--worker-address ADDR`.")
+                          description="Run a worker (one rank) that connects to `pagedkv serve --external-worker "
+                                      "--worker-address ADDR [--tensor-parallel-size N]`.")
     work.add_argument("--connect", required=True, metavar="ADDR", help="the control plane's address (ipc:// or tcp://)")
+    add_rank_arguments(work)
     _add_log_args(work)
     work.set_defaults(handler=_cmd_worker)
 
@@ -448,7 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedkv.common import capacity
 
     cap = sub.add_parser("capacity", formatter_class=_HelpFormatter,
-                         help="how many KV tokens, blocks and concurrent requests fit on one GPU",
+                         help="how many KV tokens, blocks and concurrent requests fit on one GPU (or on each of -tp N)",
                          description=(capacity.__doc__ or "").strip().splitlines()[0])
     capacity.add_arguments(cap)
     cap.set_defaults(handler=lambda args, _parser: capacity.main(args) or 0)

@@ -51,7 +51,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, policy)
         # names the API answers to; the first is the one it reports (--served-model-name)
         self.served_model_names = list(config.served_model_name) or [model_config.name]
-        self.metrics = Metrics(self.served_model_names[0])
+        self.metrics = Metrics(self.served_model_names[0], config.tensor_parallel_size)
         self.tracer: RequestTracer | None = None
         self.output = OutputProcessor(tokenizer, self.scheduler, self.max_model_len)
         self.step_hooks: list[Callable[[ScheduledStep], None]] = []  # called after each step's tokens are computed
@@ -108,7 +108,8 @@ class Engine:
         engine.tracer = tracer
         engine._task = asyncio.create_task(engine._loop(), name="pagedkv-engine-loop")
         log.info("engine started", model=model_config.name, random_weights=engine.random_weights,
-                 device=hello.device, dtype=hello.dtype, block_size=config.block_size,
+                 device=hello.device, dtype=hello.dtype, world_size=config.tensor_parallel_size,
+                 block_size=config.block_size,
                  num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
                  kv_bytes_per_block=hello.kv_bytes_per_block, max_model_len=engine.max_model_len)
         return engine
@@ -310,6 +311,7 @@ class Engine:
     def kv_cache_snapshot(self) -> dict:
         """JSON-ready state of the block pool and every live request's block table."""
         snap = self.kv.snapshot()
+        snap["world_size"] = self.config.tensor_parallel_size  # worker ranks; each holds every block, of its heads
         snap["num_requests_swapped"] = len(self.scheduler.swapped)
         snap["swapped_requests"] = [
             {"id": r.request_id, "num_computed_tokens": r.num_computed_tokens,

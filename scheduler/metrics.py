@@ -18,7 +18,7 @@ PREEMPTION_MODES = ("recompute", "swap")  # the `mode` label of pagedkv:num_pree
 class Metrics:
     """The engine's gauges, counters and histograms (units: seconds, tokens, fractions)."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, world_size: int = 1):
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model_name"]
         self.kv_cache_usage = Gauge("pagedkv:kv_cache_usage_perc", "Fraction of KV blocks referenced by live requests (0-1).", labels, registry=r)
@@ -39,6 +39,7 @@ class Metrics:
         self.blocks_swapped_out = Counter("pagedkv:num_blocks_swapped_out", "KV blocks copied from the device pool to the host pool.", labels, registry=r)
         self.blocks_swapped_in = Counter("pagedkv:num_blocks_swapped_in", "KV blocks copied from the host pool back to the device pool.", labels, registry=r)
         self.request_preemptions = Histogram("pagedkv:request_num_preemptions", "Preemptions of each finished request (all its sequences).", labels, buckets=_COUNT_BUCKETS, registry=r)
+        self.world_size = Gauge("pagedkv:world_size", "Worker ranks serving the model (tensor parallel size).", labels, registry=r)
         self.model_name = model_name
         self._l = {"model_name": model_name}
         # Every series exists from the first scrape (zero until something happens), so a dashboard
@@ -48,6 +49,7 @@ class Metrics:
                 metric.labels(**self._l)
         for mode in PREEMPTION_MODES:
             self.num_preemptions.labels(mode=mode, **self._l)
+        self.world_size.labels(**self._l).set(world_size)
 
     def on_step(self, num_running: int, num_waiting: int, kv_usage: float, num_cached_free: int) -> None:
         self.num_running.labels(**self._l).set(num_running)

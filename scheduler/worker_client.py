@@ -1,9 +1,11 @@
-"""The control plane's side of the ZeroMQ link to the worker process.
+"""The control plane's side of the ZeroMQ link to the worker processes (one per tensor-parallel rank).
 
 The control plane binds a ROUTER socket (``ipc://`` in a temp dir by default, or ``tcp://``) and
-either spawns the worker itself (``python -m pagedkv.worker --connect ADDR``) or waits for one started on
-its own (``pagedkv worker --connect ADDR``). Every reply has a deadline: a worker that dies or stops
-answering raises `WorkerFailed` instead of being waited on forever.
+either spawns the ranks itself (``python -m pagedkv.worker --connect ADDR --rank R --world-size N
+--dist-init-method tcp://127.0.0.1:PORT``) or waits for ranks started on their own (``pagedkv worker
+--connect ADDR --rank R ...``, on any host). Each message is encoded once and the same bytes go to
+every rank. Every reply has a deadline: a rank that dies, stops answering or fails a step in a group
+raises `WorkerFailed` instead of being waited on forever.
 """
 
 from __future__ import annotations
@@ -11,12 +13,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -38,10 +42,17 @@ def default_worker_address() -> str:
     return f"ipc://{tempfile.gettempdir()}/pagedkv-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
 
 
-class WorkerClient:
-    """One worker process (rank 0) behind a ROUTER socket.
+def _free_loopback_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for the spawned ranks' rendezvous (rank 0 listens on it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
-    timeout: seconds a step may take before the worker is declared failed (``--worker-timeout``);
+
+class WorkerClient:
+    """The worker ranks (``config.tensor_parallel_size`` of them, one process each) behind a ROUTER socket.
+
+    timeout: seconds a step may take before the group is declared failed (``--worker-timeout``);
     each start-up phase (load, profile, allocate) may take up to the larger of it and 600 s.
     """
 
@@ -50,98 +61,176 @@ class WorkerClient:
         self.address = address or default_worker_address()
         self.spawn = spawn
         self.timeout = config.worker_timeout
-        self.process: subprocess.Popen | None = None
+        self.world_size = config.tensor_parallel_size
+        self.processes: list[subprocess.Popen] = []  # spawned ranks, in rank order
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(self.address)
-        self._identity: bytes | None = None
+        self._identities: list[bytes] = []  # ZeroMQ identity of each rank, in rank order
         self.failed: str | None = None
 
-    async def start(self, register_timeout: float = 300.0) -> protocol.WorkerHello:
-        """Spawn (or wait for) the worker, send it the config, return its capacity report.
+    @property
+    def process(self) -> subprocess.Popen | None:
+        """Rank 0's process, when spawned."""
+        return self.processes[0] if self.processes else None
 
-        register_timeout: seconds to wait for an external worker to connect.
-        Raises WorkerFailed on a protocol-version mismatch, a load error or a missed deadline.
+    async def start(self, register_timeout: float = 300.0) -> protocol.WorkerHello:
+        """Spawn (or wait for) every rank, send them the config, return the group's capacity report.
+
+        The report is rank 0's with ``max_num_gpu_blocks`` and ``swap_bandwidth`` the minimum over
+        ranks (every rank holds every block, of its own heads). register_timeout: seconds to wait for
+        external ranks to connect. Raises WorkerFailed on a protocol-version mismatch, ranks that do not
+        form 0..N-1 of this world size, a load error or a missed deadline.
         """
+        n = self.world_size
         if self.spawn:
             env = dict(os.environ, PAGEDKV_PARENT_PID=str(os.getpid()))
-            # the worker logs at the control plane's level (debug: tracebacks of its failures)
+            rendezvous = f"tcp://127.0.0.1:{_free_loopback_port()}"
+            # the ranks log at the control plane's level (debug: tracebacks of their failures)
             level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
-            self.process = subprocess.Popen([sys.executable, "-m", "pagedkv.worker", "--connect", self.address,
-                                             "--log-level", level], env=env)
-            log.info("worker process started", pid=self.process.pid, address=self.address)
+            for rank in range(n):
+                self.processes.append(subprocess.Popen(
+                    [sys.executable, "-m", "pagedkv.worker", "--connect", self.address, "--rank", str(rank),
+                     "--world-size", str(n), "--dist-init-method", rendezvous, "--log-level", level], env=env))
+                log.info("worker process started", rank=rank, pid=self.processes[-1].pid, address=self.address)
         else:
-            log.info("waiting for a worker to connect", address=self.address)
+            log.info("waiting for a worker to connect" if n == 1 else f"waiting for {n} worker ranks to connect",
+                     address=self.address)
         start_timeout = max(self.timeout, _START_SECONDS)
         started = time.monotonic()
-        msg = await self._recv(timeout=register_timeout if not self.spawn else start_timeout)
-        if not isinstance(msg, protocol.Register):
-            raise WorkerFailed(f"expected Register from the worker, got {type(msg).__name__}")
-        if msg.protocol_version != protocol.PROTOCOL_VERSION:
-            raise WorkerFailed(f"worker speaks protocol version {msg.protocol_version}, "
-                               f"control plane {protocol.PROTOCOL_VERSION}: upgrade both together")
+        by_rank: dict[int, bytes] = {}
+        deadline = time.monotonic() + (register_timeout if not self.spawn else start_timeout)
+        while len(by_rank) < n:
+            identity, msg = await self._recv_any(deadline, register_timeout if not self.spawn else start_timeout,
+                                                 f"{n - len(by_rank)} rank(s) to register")
+            if not isinstance(msg, protocol.Register):
+                raise WorkerFailed(f"expected Register from the worker, got {type(msg).__name__}")
+            if msg.protocol_version != protocol.PROTOCOL_VERSION:
+                raise WorkerFailed(f"worker speaks protocol version {msg.protocol_version}, "
+                                   f"control plane {protocol.PROTOCOL_VERSION}: upgrade both together")
+            if msg.world_size != n or not 0 <= msg.rank < n or msg.rank in by_rank:
+                raise WorkerFailed(f"a worker registered as rank {msg.rank} of {msg.world_size}; this control "
+                                   f"plane needs ranks 0..{n - 1} of {n} once each (--tensor-parallel-size {n})")
+            by_rank[msg.rank] = identity
+        self._identities = [by_rank[r] for r in range(n)]
         log.info("loading the model and profiling memory", model=self.config.model or "embedded",
-                 load_format=self.config.load_format, pid=msg.pid)
-        await self._send(protocol.LoadModel(self.config))
-        hello = await self._recv(start_timeout)
-        if not isinstance(hello, protocol.WorkerHello):
-            raise WorkerFailed(f"expected WorkerHello, got {type(hello).__name__}")
+                 load_format=self.config.load_format, world_size=n)
+        for rank in range(n):
+            await self._send_to(rank, protocol.encode(protocol.LoadModel(self.config, rank, n)))
+        hellos = await self._gather(protocol.WorkerHello, start_timeout)
+        if len({(h.dtype, h.kv_bytes_per_block) for h in hellos}) > 1:
+            raise WorkerFailed("ranks disagree on dtype or KV block size: "
+                               + ", ".join(f"rank {h.rank} {h.device} {h.dtype} {h.kv_bytes_per_block} B" for h in hellos)
+                               + " (give every host the same --dtype and device kind)")
+        hello = msgspec.structs.replace(
+            hellos[0], max_num_gpu_blocks=min(h.max_num_gpu_blocks for h in hellos),
+            swap_bandwidth=min((h.swap_bandwidth for h in hellos if h.swap_bandwidth), default=None))
         log.info("model loaded", device=hello.device, dtype=hello.dtype, max_num_gpu_blocks=hello.max_num_gpu_blocks,
                  kv_bytes_per_block=hello.kv_bytes_per_block, seconds=round(time.monotonic() - started, 2))
         return hello
 
     async def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        await self._send(protocol.InitCache(num_gpu_blocks, num_cpu_blocks))
-        ready = await self._recv(max(self.timeout, _START_SECONDS))
-        if not isinstance(ready, protocol.WorkerReady):
-            raise WorkerFailed(f"expected WorkerReady, got {type(ready).__name__}")
+        await self._broadcast(protocol.InitCache(num_gpu_blocks, num_cpu_blocks))
+        await self._gather(protocol.WorkerReady, max(self.timeout, _START_SECONDS))
 
     async def step(self, plan: protocol.StepPlan) -> protocol.StepResult:
-        """Send one plan and wait for its result. Raises WorkerFailed on death or deadline."""
-        await self._send(plan)
-        result = await self._recv(self.timeout)
-        if not isinstance(result, protocol.StepResult) or result.step_id != plan.step_id:
-            raise WorkerFailed(f"expected the result of step {plan.step_id}, got {result!r:.200}")
-        return result
+        """Send one plan to every rank and wait for all of them; return rank 0's result (the tokens).
 
-    async def _send(self, msg) -> None:
-        await self._sock.send_multipart([self._identity or b"", protocol.encode(msg)])
+        Raises WorkerFailed on a death or a missed deadline, when a rank of a group reports an error
+        (the group cannot run another step: see `worker.worker`), and when a rank sampled other token
+        ids than rank 0 (every rank samples; their mirrors must agree). A single worker's step error
+        is returned in the result, as the worker keeps serving.
+        """
+        await self._broadcast(plan)
+        results = await self._gather(protocol.StepResult, self.timeout, plan.step_id)
+        tokens = [[(t.request_id, t.token_id) for t in r.sampled] for r in results]
+        if bad := next((rank for rank, ids in enumerate(tokens) if ids != tokens[0]), None):
+            self.failed = (f"worker rank {bad} sampled other tokens than rank 0 in step {plan.step_id}: the ranks' "
+                           "request mirrors no longer agree")
+            raise WorkerFailed(self.failed)
+        return results[0]
 
-    async def _recv(self, timeout: float):
+    async def _broadcast(self, msg) -> None:
+        payload = protocol.encode(msg)  # encoded once; the same bytes go to every rank
+        for rank in range(len(self._identities)):
+            await self._send_to(rank, payload)
+
+    async def _send_to(self, rank: int, payload: bytes) -> None:
+        await self._sock.send_multipart([self._identities[rank], payload], copy=False)
+
+    async def _gather(self, kind: type, timeout: float, step_id: int | None = None) -> list:
+        """One message of type ``kind`` from every rank (for ``step_id`` when given), in rank order.
+
+        In a group, the first failed StepResult raises WorkerFailed at once: its peers may wait in a
+        collective until their timeout, and the group is lost anyway.
+        """
+        replies: dict[int, object] = {}
         deadline = time.monotonic() + timeout
-        while True:
-            if self.process is not None and (code := self.process.poll()) is not None:
-                self.failed = f"worker process exited with code {code}"
+        ranks = {identity: rank for rank, identity in enumerate(self._identities)}
+        while len(replies) < len(self._identities):
+            missing = [r for r in range(len(self._identities)) if r not in replies]
+            identity, msg = await self._recv_any(deadline, timeout,
+                                                 f"rank {missing[0]}" if len(missing) == 1 else f"ranks {missing}")
+            rank = ranks.get(identity)
+            if rank is None or not isinstance(msg, kind) or (step_id is not None and msg.step_id != step_id):
+                what = f"the result of step {step_id}" if step_id is not None else kind.__name__
+                self.failed = f"expected {what} from every rank, got {msg!r:.200} from rank {rank}"
                 raise WorkerFailed(self.failed)
+            if self.world_size > 1 and getattr(msg, "error", None) is not None:
+                # a dead spawned rank is the cause its peer's error only hints at; its exit may take a moment
+                for _ in range(10 if self.processes else 0):
+                    self._check_processes()
+                    await asyncio.sleep(0.1)
+                self.failed = f"worker group failed step {step_id}: {msg.error}"
+                raise WorkerFailed(self.failed)
+            replies[rank] = msg
+        return [replies[r] for r in range(len(self._identities))]
+
+    async def _recv_any(self, deadline: float, timeout: float, waiting_for: str) -> tuple[bytes, object]:
+        """The next message from any rank before ``deadline`` (time.monotonic): (its identity, the message).
+
+        timeout (the deadline's length) and waiting_for (who is late) word the error.
+        """
+        while True:
+            self._check_processes()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                self.failed = f"worker did not answer within {timeout:g} s (--worker-timeout)"
+                who = "worker" if self.world_size == 1 else f"worker {waiting_for}"
+                self.failed = f"{who} did not answer within {timeout:g} s (--worker-timeout)"
                 raise WorkerFailed(self.failed)
             if await self._sock.poll(timeout=int(min(_POLL_SECONDS, remaining) * 1000)):
                 identity, payload = await self._sock.recv_multipart()
-                self._identity = identity
                 msg = protocol.decode_from_worker(payload)
                 if isinstance(msg, protocol.WorkerError):
                     self.failed = f"worker error: {msg.message}"
                     raise WorkerFailed(self.failed)
-                return msg
+                return identity, msg
+
+    def _check_processes(self) -> None:
+        """Raise WorkerFailed naming the first spawned rank that has exited."""
+        for rank, process in enumerate(self.processes):
+            if (code := process.poll()) is not None:
+                who = "worker" if self.world_size == 1 else f"worker rank {rank} (pid {process.pid})"
+                self.failed = f"{who} process exited with code {code}"
+                raise WorkerFailed(self.failed)
 
     async def close(self) -> None:
-        """Ask the worker to exit, then make sure it did; release the socket."""
-        if self._identity is not None and self.failed is None:
+        """Ask every rank to exit, then make sure the spawned ones did; release the socket."""
+        if self._identities and self.failed is None:
             try:
-                await self._send(protocol.Shutdown())
+                await self._broadcast(protocol.Shutdown())
             except zmq.ZMQError:
                 pass
-        if self.process is not None:
-            if self.failed is not None and self.process.poll() is None:
-                self.process.terminate()  # it missed a deadline: do not wait for it to notice
+        for process in self.processes:
+            if self.failed is not None and process.poll() is None:
+                process.terminate()  # the group failed: do not wait for a rank stuck in a collective to notice
+        for process in self.processes:
             try:
-                await asyncio.get_running_loop().run_in_executor(None, self.process.wait, 10)
+                await asyncio.get_running_loop().run_in_executor(None, process.wait, 10)
             except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+                process.kill()
+                process.wait()
         self._sock.close(linger=0)
         self._ctx.term()
         if self.address.startswith("ipc://"):

@@ -44,6 +44,26 @@ def test_fp8_kv_cache_doubles_the_tokens_and_context_len_sets_concurrency(llama)
     assert fp8.max_concurrent_requests == fp8.num_blocks // 512
 
 
+def test_tensor_parallel_figures_are_per_device_with_the_embedding_and_lm_head_replicated(llama):
+    one, two = plan(llama, 24, activation_reserve_gib=4), plan(llama, 24, activation_reserve_gib=4, tensor_parallel_size=2)
+    # per layer and device: q 2,048 + k, v 512 each of 4,096 inputs, o 2,048 x 4,096, MLP 3 x 4,096 x 7,168, 2 norms
+    per_layer = 4096 * (2048 + 2 * 512) + 2048 * 4096 + 3 * 4096 * 7168 + 2 * 4096
+    embed_and_head = 2 * 128_256 * 4096  # untied, whole on every device
+    assert two.weight_bytes == 2 * (32 * per_layer + embed_and_head + 4096) == 9_081_200_640
+    assert two.kv_bytes_per_token == 65_536 and two.tensor_parallel_size == 2  # 4 of the 8 KV heads
+    assert two.kv_tokens == two.kv_cache_bytes // 65_536 > 4 * one.kv_tokens  # the weights no longer crowd the KV out
+    assert plan(llama, 80, tensor_parallel_size=8).kv_bytes_per_token == 16_384  # one KV head each
+    assert plan(llama, 80, tensor_parallel_size=16).kv_bytes_per_token == 16_384  # each KV head on 2 devices
+    with pytest.raises(ValueError, match="does not divide the model's 32 attention heads"):
+        plan(llama, 80, tensor_parallel_size=3)
+
+
+def test_cli_capacity_takes_the_tensor_parallel_size(capsys):
+    assert main(["capacity", "--model-config", str(LLAMA_8B), "--gpu-memory-gib", "24", "-tp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "tensor parallel = 2 devices" in out and "9,081,200,640 B" in out and "65,536 B" in out
+
+
 def test_no_room_for_a_block_is_an_error(llama):
     with pytest.raises(ValueError, match="no room for a KV block"):
         plan(llama, 16)

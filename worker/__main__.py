@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from pagedkv.common.config import add_rank_arguments, check_rank_arguments
 from pagedkv.worker.worker import run
 
 
@@ -13,9 +14,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--connect", required=True, metavar="ADDR",
                         help="the control plane's ZeroMQ address, e.g. ipc:///tmp/pagedkv.sock or tcp://host:5555")
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    add_rank_arguments(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s worker %(levelname)s %(message)s")
-    run(args.connect)
+    check_rank_arguments(args, parser)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format=f"%(asctime)s worker rank {args.rank} %(levelname)s %(message)s")
+    run(args.connect, args.rank, args.world_size, args.dist_init_method)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from torch import nn
 
 from pagedkv.common.config import ModelConfig
 from pagedkv.kernels import reference
+from pagedkv.worker.parallel import TensorParallel
 
 
 @dataclass
@@ -94,11 +95,17 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    """Grouped-query attention (Ainslie et al. 2023) over the paged cache, with ``kernels`` (a `kernels` backend)."""
+    """Grouped-query attention (Ainslie et al. 2023) over the paged cache, with ``kernels`` (a `kernels` backend).
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, kernels: ModuleType = reference):
+    Under tensor parallelism ``config`` is this rank's shard (`ModelConfig.shard`): Q/K/V are
+    column-parallel (this rank's heads), o_proj row-parallel, followed by one all-reduce.
+    """
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, kernels: ModuleType = reference,
+                 tp: TensorParallel = TensorParallel()):
         super().__init__()
         self.kernels = kernels
+        self.tp = tp
         h, d = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
         self.q_proj = nn.Linear(h, self.num_heads * d, bias=False, dtype=dtype)
@@ -116,28 +123,32 @@ class LlamaAttention(nn.Module):
         o = self.kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                          meta.query_start_loc, self.scale, None, meta.max_query_len,
                                          meta.max_seq_len)
-        return self.o_proj(o.view(n, self.num_heads * self.head_dim))
+        return self.tp.all_reduce(self.o_proj(o.view(n, self.num_heads * self.head_dim)))
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward (Shazeer 2020): down(silu(gate(x)) * up(x))."""
+    """SwiGLU feed-forward (Shazeer 2020): down(silu(gate(x)) * up(x)).
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    Under tensor parallelism gate/up are column-parallel, down row-parallel, followed by one all-reduce.
+    """
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel = TensorParallel()):
         super().__init__()
+        self.tp = tp
         h, i = config.hidden_size, config.intermediate_size
         self.gate_proj = nn.Linear(h, i, bias=False, dtype=dtype)
         self.up_proj = nn.Linear(h, i, bias=False, dtype=dtype)
         self.down_proj = nn.Linear(i, h, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.tp.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, kernels: ModuleType):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, kernels: ModuleType, tp: TensorParallel):
         super().__init__()
-        self.self_attn = LlamaAttention(config, dtype, kernels)
-        self.mlp = LlamaMLP(config, dtype)
+        self.self_attn = LlamaAttention(config, dtype, kernels, tp)
+        self.mlp = LlamaMLP(config, dtype, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -147,10 +158,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, kernels: ModuleType):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, kernels: ModuleType, tp: TensorParallel):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, kernels) for _ in range(config.num_hidden_layers))
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)  # replicated
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, kernels, tp)
+                                    for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
 
@@ -158,15 +170,18 @@ class LlamaForCausalLM(nn.Module):
     """Llama decoder + LM head. Build it with `worker.model_loader.load_model` (weights, tying).
 
     kernels: the attention backend, a module from `kernels.select_backend` (default: the PyTorch reference).
+    tp: this rank's place in a tensor-parallel group; ``config`` is then the rank's shard
+    (``full_config.shard(tp.world_size)``). The LM head is replicated, so every rank returns the same logits.
     """
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, kernels: ModuleType = reference):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, kernels: ModuleType = reference,
+                 tp: TensorParallel = TensorParallel()):
         super().__init__()
         rope_inv_freq(config)  # reject an unsupported rope_scaling at construction, not mid-step
         self.config = config
         self.kernels = kernels
-        self.model = LlamaModel(config, dtype, kernels)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.model = LlamaModel(config, dtype, kernels, tp)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)  # replicated
         self._inv_freq: torch.Tensor | None = None
 
     def tie_weights(self) -> None:

@@ -8,6 +8,7 @@ from safetensors import safe_open
 from pagedkv.common.config import EngineConfig, ModelConfig, weight_files
 from pagedkv.kernels import select_backend
 from pagedkv.worker.model import LlamaForCausalLM
+from pagedkv.worker.parallel import TensorParallel
 
 DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
           "bfloat16": torch.bfloat16}
@@ -22,8 +23,9 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def load_model(model_config: ModelConfig, engine_config: EngineConfig, device: torch.device,
-               dtype: torch.dtype) -> LlamaForCausalLM:
-    """The model on ``device`` in ``dtype``, in eval mode, with its attention backend chosen once.
+               dtype: torch.dtype, tp: TensorParallel = TensorParallel()) -> LlamaForCausalLM:
+    """The model (this rank's shard of it under tensor parallelism ``tp``) on ``device`` in ``dtype``, in
+    eval mode, with its attention backend chosen once.
 
     The backend is ``engine_config.attention_backend`` ("triton" | "torch"), else Triton on CUDA and
     the PyTorch reference on CPU (`kernels.select_backend`); ``model.kernels`` holds it.
@@ -32,36 +34,70 @@ def load_model(model_config: ModelConfig, engine_config: EngineConfig, device: t
     "dummy", or the embedded default (path None), draws N(0, 0.02) weights from a generator
     seeded with ``engine_config.seed`` (norm weights 1), reproducible on a given device.
     Embeddings are tied when ``tie_word_embeddings`` is set or the checkpoint has no ``lm_head.weight``.
+    A rank reads only its slices of the split tensors (safetensors ``get_slice``); dummy weights are
+    drawn whole, one tensor at a time, and sliced, so every tensor-parallel size gets the same model.
     Raises FileNotFoundError when the directory holds no safetensors file, ValueError for an
     unknown attention backend or load_format or a checkpoint tensor that is missing, unexpected or of the wrong shape.
     """
     with torch.device("meta"):  # no throwaway initialisation: storage is filled below
-        model = LlamaForCausalLM(model_config, dtype, select_backend(engine_config.attention_backend, device))
+        model = LlamaForCausalLM(model_config.shard(tp.world_size), dtype,
+                                 select_backend(engine_config.attention_backend, device), tp)
+        full_shapes = {name: p.shape for name, p in LlamaForCausalLM(model_config, dtype).named_parameters()}
     model.to_empty(device=device)
     fmt = engine_config.load_format
     if fmt == "dummy" or model_config.path is None:
         if model_config.tie_word_embeddings:
             model.tie_weights()
-        _init_dummy(model, engine_config.seed, device)
+        _init_dummy(model, engine_config.seed, device, full_shapes, model_config, tp)
     elif fmt == "auto":
-        _load_safetensors(model, model_config)
+        _load_safetensors(model, model_config, full_shapes, tp)
     else:
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {fmt!r}")
     return model.eval()
 
 
+def shard_of(name: str, config: ModelConfig, tp: TensorParallel) -> tuple[int, range] | None:
+    """(dimension, indices) of the full checkpoint tensor ``name`` that rank ``tp.rank`` holds; None: all of it.
+
+    Column-parallel q/k/v/gate/up split their output rows, row-parallel o/down their input columns
+    (Megatron-LM); everything else (embedding, LM head, norms) is replicated.
+    """
+    if tp.world_size == 1:
+        return None
+    d, proj = config.head_dim, name.rsplit(".", 2)[-2]
+    if proj in ("q_proj", "o_proj"):
+        heads = tp.q_heads(config)
+        return (0 if proj == "q_proj" else 1), range(heads.start * d, heads.stop * d)
+    if proj in ("k_proj", "v_proj"):
+        heads = tp.kv_heads(config)
+        return 0, range(heads.start * d, heads.stop * d)
+    if proj in ("gate_proj", "up_proj", "down_proj"):
+        return (1 if proj == "down_proj" else 0), tp.intermediate(config)
+    return None
+
+
+def _take(tensor, shard: tuple[int, range] | None):
+    """``tensor[shard]``: a torch tensor or a safetensors slice (which then reads only those bytes)."""
+    if shard is None:
+        return tensor[:]
+    dim, idx = shard
+    return tensor[idx.start:idx.stop] if dim == 0 else tensor[:, idx.start:idx.stop]
+
+
 @torch.no_grad()
-def _init_dummy(model: LlamaForCausalLM, seed: int, device: torch.device) -> None:
+def _init_dummy(model: LlamaForCausalLM, seed: int, device: torch.device, full_shapes: dict,
+                config: ModelConfig, tp: TensorParallel) -> None:
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.named_parameters():  # shared (tied) parameters are listed once
         if name.endswith("norm.weight"):
             p.fill_(1.0)
-        else:
-            p.normal_(0.0, 0.02, generator=gen)
+        else:  # the whole tensor, then this rank's slice: the same weights at every tensor-parallel size
+            full = torch.empty(full_shapes[name], dtype=p.dtype, device=device).normal_(0.0, 0.02, generator=gen)
+            p.copy_(_take(full, shard_of(name, config, tp)))
 
 
 @torch.no_grad()
-def _load_safetensors(model: LlamaForCausalLM, config: ModelConfig) -> None:
+def _load_safetensors(model: LlamaForCausalLM, config: ModelConfig, full_shapes: dict, tp: TensorParallel) -> None:
     files = weight_files(config.path)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
@@ -73,11 +109,11 @@ def _load_safetensors(model: LlamaForCausalLM, config: ModelConfig) -> None:
                 if name not in params:
                     raise ValueError(f"{file}: unexpected tensor {name!r} (not a Llama parameter this "
                                      "loader knows, e.g. a bias or another architecture)")
-                tensor = f.get_tensor(name)
-                if tensor.shape != params[name].shape:
-                    raise ValueError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                     f"config.json implies {tuple(params[name].shape)}")
-                params[name].copy_(tensor)
+                stored = f.get_slice(name)
+                if tuple(stored.get_shape()) != tuple(full_shapes[name]):
+                    raise ValueError(f"{file}: tensor {name!r} has shape {tuple(stored.get_shape())}, "
+                                     f"config.json implies {tuple(full_shapes[name])}")
+                params[name].copy_(_take(stored, shard_of(name, config, tp)))
                 loaded.add(name)
     tie = config.tie_word_embeddings or "lm_head.weight" not in loaded
     missing = sorted(set(params) - loaded - ({"lm_head.weight"} if tie else set()))

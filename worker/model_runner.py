@@ -21,6 +21,7 @@ from pagedkv.worker.cuda_graphs import DecodeGraphs
 from pagedkv.worker.input_batch import InputBatch
 from pagedkv.worker.model import AttentionMetadata
 from pagedkv.worker.model_loader import load_model
+from pagedkv.worker.parallel import TensorParallel
 from pagedkv.worker.sampler import Sampler, SamplingBatch, prompt_logprobs
 
 _ALIGN = 16  # staged segments start at multiples of 16 elements: aligned device views, no new kernel variants
@@ -30,17 +31,21 @@ class ModelRunner:
     """Owns the model, the KV pools and the request mirror of one worker.
 
     Use: ``ModelRunner(engine_config, device, dtype)``, optionally `profile_run`, then
-    `init_cache`, then `execute` once per StepPlan.
+    `init_cache`, then `execute` once per StepPlan. Under tensor parallelism (``tp``) every rank
+    runs the same plans; its model and its KV pools hold its shard (``model_config`` is then the
+    rank's `ModelConfig.shard`), and it samples what every other rank samples.
     """
 
     def __init__(self, engine_config: EngineConfig, device: torch.device, dtype: torch.dtype,
-                 model_config: ModelConfig | None = None):
+                 model_config: ModelConfig | None = None, tp: TensorParallel = TensorParallel()):
         self.engine_config = engine_config
-        self.model_config = model_config or ModelConfig.load(engine_config.model)
+        full_config = model_config or ModelConfig.load(engine_config.model)
+        self.model_config = full_config.shard(tp.world_size)  # this rank's heads: its KV pool holds only these
+        self.tp = tp
         self.device, self.dtype = device, dtype
         self.block_size = engine_config.block_size
         self.max_model_len = resolve_max_model_len(self.model_config, engine_config.max_model_len)
-        self.model = load_model(self.model_config, engine_config, device, dtype)
+        self.model = load_model(full_config, engine_config, device, dtype, tp)
         self.sampler = Sampler(engine_config.seed, device, self.model_config.eos_token_ids)
         self.cache: CacheEngine | None = None
         self.batch = InputBatch(engine_config.max_num_seqs, self.max_model_len, self.block_size,
@@ -58,7 +63,9 @@ class ModelRunner:
         self.cache = self.graphs = None  # free an old pool (and graphs holding it) before allocating a new one
         self.cache = CacheEngine(self.model_config, num_gpu_blocks, num_cpu_blocks, self.block_size,
                                  self.dtype, self.device, self.model.kernels)
-        if self.device.type == "cuda" and not self.engine_config.enforce_eager:
+        # under tensor parallelism decode steps run eagerly: NCCL all-reduces inside captured graphs
+        # have not been checked on a multi-GPU machine here, and a wrong replay would be silent
+        if self.device.type == "cuda" and not self.engine_config.enforce_eager and self.tp.world_size == 1:
             self.init_decode_graphs()
 
     @torch.inference_mode()

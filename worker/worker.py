@@ -3,6 +3,12 @@
 Message sequence (see `common.protocol`): Register -> LoadModel -> WorkerHello -> InitCache ->
 WorkerReady -> StepPlan/StepResult ... -> Shutdown. The worker decides nothing; it exits when told,
 when the control plane's socket disconnects, or when the process named by ``PAGEDKV_PARENT_PID`` dies.
+
+Under tensor parallelism each rank is one such process: all ranks connect to the same control
+plane, receive the same plans and join one torch.distributed group at LoadModel (`worker.parallel`).
+A rank whose step fails in a group exits after reporting it: its peers may be inside a collective it
+will never join, so the group cannot run another step (they fail theirs at the collective timeout,
+or at once when gloo sees the connection drop).
 """
 
 from __future__ import annotations
@@ -17,11 +23,13 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from pagedkv.common.config import EngineConfig, ModelConfig
-from pagedkv.common.protocol import (PROTOCOL_VERSION, InitCache, LoadModel, Register, Shutdown, StepPlan, StepResult,
-                             WorkerError, WorkerHello, WorkerReady, decode_to_worker, encode)
+from pagedkv.common.protocol import (PROTOCOL_VERSION, InitCache, LoadModel, Register, SampledToken, Shutdown,
+                                     StepPlan, StepResult, WorkerError, WorkerHello, WorkerReady, decode_to_worker,
+                                     encode)
 from pagedkv.worker.cache_engine import measure_swap_bandwidth
 from pagedkv.worker.model_loader import torch_dtype
 from pagedkv.worker.model_runner import ModelRunner
+from pagedkv.worker.parallel import destroy_group, init_group
 
 log = logging.getLogger("pagedkv.worker")
 POLL_MS = 1000  # how often to check that the control plane is still there
@@ -70,29 +78,45 @@ def max_num_gpu_blocks(runner: ModelRunner) -> int:
     return max(0, int(budget) // runner.kv_bytes_per_block)
 
 
-def load(msg: LoadModel) -> tuple[ModelRunner, WorkerHello]:
-    """Load the model for a LoadModel message and measure what this worker can hold."""
+def load(msg: LoadModel, rank: int = 0, world_size: int = 1, init_method: str | None = None,
+         ) -> tuple[ModelRunner, WorkerHello]:
+    """Load the model for a LoadModel message and measure what this worker can hold.
+
+    rank, world_size, init_method: how this process was started (``--rank``, ``--world-size``,
+    ``--dist-init-method``); they must agree with the control plane's message. With world_size > 1
+    the rank first joins the process group, then loads only its shard. Raises ValueError on a mismatch.
+    """
     cfg = msg.config
-    if msg.world_size != 1:
-        raise ValueError(f"tensor parallelism (world_size {msg.world_size}) is not implemented; use one worker")
+    if (msg.rank, msg.world_size) != (rank, world_size) or world_size != cfg.tensor_parallel_size:
+        raise ValueError(f"this worker was started as rank {rank} of {world_size}, but the control plane "
+                         f"assigns rank {msg.rank} of {msg.world_size} (--tensor-parallel-size "
+                         f"{cfg.tensor_parallel_size}): start every rank with the same --world-size")
+    if world_size > 1 and not init_method:
+        raise ValueError("a rank of a group needs --dist-init-method tcp://HOST:PORT (or MASTER_ADDR/MASTER_PORT)")
     model_config = ModelConfig.load(cfg.model)
-    device = select_device(cfg, msg.rank)
+    model_config.shard(world_size)  # an indivisible model fails here, before the group forms
+    device = select_device(cfg, int(os.environ.get("LOCAL_RANK", rank)))
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        # leave a core to the control plane: OpenMP threads spinning against it slow steps by 100x
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+        # leave a core to the control plane, share the rest among this host's ranks: OpenMP threads
+        # spinning against each other slow steps by 100x
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        torch.set_num_threads(max(1, ((os.cpu_count() or 2) - 1) // local_ranks))
     dtype = select_dtype(cfg, model_config, device)
-    log.info("loading weights: %s on %s, %s", model_config.path or "embedded (random)", device, dtype)
+    log.info("loading weights: %s on %s, %s (rank %d of %d)", model_config.path or "embedded (random)", device, dtype,
+             rank, world_size)
     start = time.monotonic()
-    runner = ModelRunner(cfg, device, dtype, model_config)
+    tp = init_group(rank, world_size, init_method or "", device, cfg.worker_timeout)
+    runner = ModelRunner(cfg, device, dtype, model_config, tp)
+    shard = runner.model_config
     log.info("weights loaded in %.1f s; profiling memory", time.monotonic() - start)
     num_blocks = max_num_gpu_blocks(runner)
     log.info("KV budget: %d blocks of %d tokens; measuring swap bandwidth", num_blocks, cfg.block_size)
     if device.type == "cuda":
         runner.warm_up()  # compile the Triton kernels now, not at the first request that needs one
-    hello = WorkerHello(rank=msg.rank, device=str(device), dtype=str(dtype).removeprefix("torch."),
+    hello = WorkerHello(rank=rank, device=str(device), dtype=str(dtype).removeprefix("torch."),
                         kv_bytes_per_block=runner.kv_bytes_per_block, max_num_gpu_blocks=num_blocks,
                         swap_bandwidth=measure_swap_bandwidth(
-                            device, (cfg.block_size, model_config.num_key_value_heads, model_config.head_dim), dtype))
+                            device, (cfg.block_size, shard.num_key_value_heads, shard.head_dim), dtype))
     return runner, hello
 
 
@@ -112,11 +136,13 @@ def _parent_alive(parent_pid: int | None) -> bool:
 _original_ppid = os.getppid()
 
 
-def run(address: str) -> None:
+def run(address: str, rank: int = 0, world_size: int = 1, init_method: str | None = None) -> None:
     """Serve the control plane at ``address`` (``ipc://...`` or ``tcp://host:port``) until Shutdown.
 
-    Exits the process with status 1 after a failed LoadModel/InitCache (a WorkerError is sent first)
-    and returns when told to shut down or when the control plane is gone.
+    rank, world_size: this process's place in a tensor-parallel group; init_method: the group's
+    rendezvous (``tcp://HOST:PORT`` where rank 0 listens). Exits the process with status 1 after a
+    failed LoadModel/InitCache (a WorkerError is sent first) or, in a group, a failed step (its
+    StepResult error is sent first); returns when told to shut down or when the control plane is gone.
     """
     parent = os.environ.get("PAGEDKV_PARENT_PID")
     parent_pid = int(parent) if parent else None
@@ -129,9 +155,10 @@ def run(address: str) -> None:
     poller.register(sock, zmq.POLLIN)
     poller.register(monitor, zmq.POLLIN)
     runner: ModelRunner | None = None
-    rank, linger_ms = 0, 0
+    linger_ms = 0
     try:
-        sock.send(encode(Register(protocol_version=PROTOCOL_VERSION, pid=os.getpid())))
+        sock.send(encode(Register(protocol_version=PROTOCOL_VERSION, pid=os.getpid(), rank=rank,
+                                  world_size=world_size)))
         while True:
             events = dict(poller.poll(POLL_MS))
             if monitor in events and recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED:
@@ -148,15 +175,24 @@ def run(address: str) -> None:
                     if runner is None:
                         raise RuntimeError("step plan before LoadModel")
                     reply = runner.execute(msg)
-                except Exception as e:  # the step fails, the worker keeps serving
+                    if rank != 0:  # every rank sampled the same tokens: rank 0 reports them, the others
+                        # only their ids, so the control plane can check that the ranks' mirrors agree
+                        reply = StepResult(step_id=reply.step_id, forward_seconds=reply.forward_seconds,
+                                           sampled=[SampledToken(t.request_id, t.token_id) for t in reply.sampled])
+                except Exception as e:  # the step fails; a single worker keeps serving, a group cannot
+                    # tell the control plane first: rendering a traceback can take longer than its deadline
+                    sock.send(encode(StepResult(step_id=msg.step_id, error=f"rank {rank}: {_one_line(e)}"
+                                                if world_size > 1 else _one_line(e))))
                     log.exception("step %d failed", msg.step_id)
-                    reply = StepResult(step_id=msg.step_id, error=_one_line(e))
+                    if world_size > 1:
+                        linger_ms = 2000  # let the error reach the control plane before the socket closes
+                        sys.exit(1)
+                    continue
                 sock.send(encode(reply))
             elif isinstance(msg, (LoadModel, InitCache)):
                 try:
                     if isinstance(msg, LoadModel):
-                        rank = msg.rank
-                        runner, hello = load(msg)
+                        runner, hello = load(msg, rank, world_size, init_method)
                         sock.send(encode(hello))
                     else:
                         if runner is None:
@@ -169,6 +205,7 @@ def run(address: str) -> None:
                     linger_ms = 2000  # let the error reach the control plane before the socket closes
                     sys.exit(1)
             elif isinstance(msg, Shutdown):
+                destroy_group()
                 return
     finally:
         sock.disable_monitor()

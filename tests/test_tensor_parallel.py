@@ -1,0 +1,179 @@
+"""Tensor parallelism (Megatron-style sharding over torch.distributed, gloo on CPU) on stories260K.
+
+stories260K has 8 attention heads and 4 KV heads: -tp 2 holds 4 + 2 per rank, -tp 4 holds 2 + 1.
+KV-head replication (more ranks than KV heads) is checked on a dummy multi-query config (1 KV head).
+The engine tests start real rank processes; they share a few engines per module to stay short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import pytest_asyncio
+import torch
+import torch.multiprocessing as mp
+from conftest import GOLDEN_COMPLETION, GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS, assert_all_blocks_free, collect, metric
+from safetensors import safe_open
+
+from pagedkv.common.config import EMBEDDED_HF_CONFIG, EngineConfig, ModelConfig
+from pagedkv.common.sampling_params import SamplingParams
+from pagedkv.scheduler.engine import Engine
+from pagedkv.worker.model_loader import load_model, shard_of
+from pagedkv.worker.parallel import TensorParallel
+from tp_ranks import logits_rank, step_logits
+
+MQA_HF_CONFIG = dict(EMBEDDED_HF_CONFIG, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=1, head_dim=16, vocab_size=64)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- the shard arithmetic ----------------------------------------------------------------------
+
+def test_shard_splits_heads_and_mlp_and_replicates_kv_heads_beyond_their_count(stories260k):
+    stories = ModelConfig.load(str(stories260k))
+    assert [(s.num_attention_heads, s.num_key_value_heads, s.intermediate_size)
+            for s in map(stories.shard, (1, 2, 4))] == [(8, 4, 172), (4, 2, 86), (2, 1, 43)]
+    embedded = ModelConfig.load(None).shard(8)  # 8 heads, 4 KV heads: each KV head on 2 ranks
+    assert (embedded.num_attention_heads, embedded.num_key_value_heads, embedded.intermediate_size) == (1, 1, 86)
+    assert stories.shard(2).kv_bytes_per_token("float32") * 2 == stories.kv_bytes_per_token("float32")
+    with pytest.raises(ValueError, match="does not divide the model's 8 attention heads"):
+        stories.shard(3)
+    with pytest.raises(ValueError, match="does not divide the model's intermediate_size 172"):
+        stories.shard(8)
+    odd = ModelConfig.from_hf_dict(dict(EMBEDDED_HF_CONFIG, num_attention_heads=12, head_dim=16), "odd", None)
+    with pytest.raises(ValueError, match="neither divides the model's 4 KV heads nor is a multiple"):
+        odd.shard(6)
+
+
+@pytest.mark.parametrize("heads,kv_heads,world_size", [(8, 4, 2), (8, 4, 4), (8, 4, 8), (8, 2, 8), (4, 1, 4), (32, 8, 4)])
+def test_every_rank_holds_the_kv_heads_its_query_heads_read(heads, kv_heads, world_size):
+    config = ModelConfig.from_hf_dict(dict(EMBEDDED_HF_CONFIG, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                           intermediate_size=8 * world_size), "m", None)
+    shard = config.shard(world_size)
+    held_q = []
+    for rank in range(world_size):
+        tp = TensorParallel(rank, world_size)
+        q, kv = tp.q_heads(config), tp.kv_heads(config)
+        assert (len(q), len(kv)) == (shard.num_attention_heads, shard.num_key_value_heads)
+        for local, head in enumerate(q):  # GQA: query head j reads KV head j // (heads / kv_heads)
+            local_kv = local // (len(q) // len(kv))  # what the paged-attention kernel reads on this rank
+            assert kv[local_kv] == head // (heads // kv_heads)
+        held_q += list(q)
+    assert held_q == list(range(heads))  # every query head on exactly one rank
+
+
+def test_a_rank_loads_exactly_its_slices_of_the_checkpoint(stories260k):
+    config = ModelConfig.load(str(stories260k))
+    with safe_open(str(stories260k / "model.safetensors"), framework="pt") as f:
+        full = {name: f.get_tensor(name) for name in f.keys()}
+    engine_config = EngineConfig(model=str(stories260k))
+    tp = TensorParallel(1, 4)  # loading needs no collective, so no process group either
+    params = dict(load_model(config, engine_config, torch.device("cpu"), torch.float32, tp).named_parameters())
+    layer = "model.layers.3."
+    expect = {  # rank 1 of 4: query heads 2-3, KV head 1, intermediate channels 43-85 (head_dim 8)
+        "self_attn.q_proj.weight": full[layer + "self_attn.q_proj.weight"][16:32],
+        "self_attn.k_proj.weight": full[layer + "self_attn.k_proj.weight"][8:16],
+        "self_attn.v_proj.weight": full[layer + "self_attn.v_proj.weight"][8:16],
+        "self_attn.o_proj.weight": full[layer + "self_attn.o_proj.weight"][:, 16:32],
+        "mlp.gate_proj.weight": full[layer + "mlp.gate_proj.weight"][43:86],
+        "mlp.up_proj.weight": full[layer + "mlp.up_proj.weight"][43:86],
+        "mlp.down_proj.weight": full[layer + "mlp.down_proj.weight"][:, 43:86],
+        "input_layernorm.weight": full[layer + "input_layernorm.weight"],
+    }
+    for name, tensor in expect.items():
+        assert torch.equal(params[layer + name], tensor), name
+    assert torch.equal(params["model.embed_tokens.weight"], full["model.embed_tokens.weight"])  # replicated
+    assert shard_of("model.embed_tokens.weight", config, tp) is None and shard_of("lm_head.weight", config, tp) is None
+
+
+def test_dummy_weights_are_the_same_model_at_every_tensor_parallel_size(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(MQA_HF_CONFIG))
+    config = ModelConfig.load(str(tmp_path))
+    engine_config = EngineConfig(model=str(tmp_path), load_format="dummy", seed=3)
+    whole = dict(load_model(config, engine_config, torch.device("cpu"), torch.float32).named_parameters())
+    for rank in range(4):
+        tp = TensorParallel(rank, 4)
+        part = dict(load_model(config, engine_config, torch.device("cpu"), torch.float32, tp).named_parameters())
+        for name, p in part.items():
+            shard = shard_of(name, config, tp)
+            expected = whole[name] if shard is None else (
+                whole[name][shard[1].start:shard[1].stop] if shard[0] == 0 else whole[name][:, shard[1].start:shard[1].stop])
+            assert torch.equal(p, expected), (rank, name)
+
+
+# ---- one step's logits across rank processes ----------------------------------------------------
+
+def test_one_steps_logits_at_tp2_and_tp4_agree_with_tp1_within_1e_4(stories260k, tmp_path):
+    stories = ModelConfig.load(str(stories260k))
+    (tmp_path / "config.json").write_text(json.dumps(MQA_HF_CONFIG))
+    mqa = ModelConfig.load(str(tmp_path))  # 1 KV head: replicated on every rank
+    cases = [("stories", stories, "auto", GOLDEN_PROMPT_IDS, GOLDEN_OUTPUT_IDS[0], n) for n in (2, 4)]
+    cases += [("mqa", mqa, "dummy", [3, 1, 4, 1, 5], 9, n) for n in (2, 4)]
+    mp.spawn(logits_rank, args=(4, f"tcp://127.0.0.1:{_free_port()}", cases, str(tmp_path)), nprocs=4, join=True)
+    for name, config, load_format, prompt, next_token, n in cases:
+        expected = step_logits(config, load_format, prompt, next_token)
+        got = torch.load(tmp_path / f"{name}-tp{n}.pt")
+        assert got.shape == expected.shape == (len(prompt) + 1, config.vocab_size)
+        assert (got - expected).abs().max().item() < 1e-4, (name, n)
+        assert torch.equal(got.argmax(-1), expected.argmax(-1)), (name, n)
+    assert expected_first_token(stories260k) == GOLDEN_OUTPUT_IDS[:2]
+
+
+def expected_first_token(stories260k) -> list[int]:
+    """The tp-1 reference's greedy tokens after the prompt and after the first golden token."""
+    logits = step_logits(ModelConfig.load(str(stories260k)), "auto", GOLDEN_PROMPT_IDS, GOLDEN_OUTPUT_IDS[0])
+    return logits[-2:].argmax(-1).tolist()
+
+
+# ---- flags -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv,message", [
+    (["generate", "-tp", "3", "x"], "--tensor-parallel-size: tensor parallel size 3 does not divide the model's 8 attention heads"),
+    (["generate", "-tp", "8", "x"], "--tensor-parallel-size: tensor parallel size 8 does not divide the model's intermediate_size 172"),
+    (["generate", "-tp", "0", "x"], "argument --tensor-parallel-size/-tp: must be >= 1"),
+])
+def test_a_tensor_parallel_size_the_model_cannot_split_is_a_cli_error_naming_the_flag(stories260k, argv, message, capsys):
+    from pagedkv.scheduler.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv[:1] + ["--model", str(stories260k)] + argv[1:])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--rank", "2", "--world-size", "2", "--dist-init-method", "tcp://h:1"], "--rank must be between 0 and"),
+    (["--rank", "1", "--world-size", "2"], "--dist-init-method tcp://HOST:PORT (where rank 0 listens) is needed"),
+    (["--world-size", "0"], "--world-size must be >= 1"),
+])
+def test_inconsistent_rank_flags_are_worker_cli_errors(flags, message, capsys, monkeypatch):
+    from pagedkv.scheduler.cli import main
+
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(SystemExit) as e:
+        main(["worker", "--connect", "tcp://127.0.0.1:1"] + flags)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_worker_rank_flags_default_to_the_torchrun_environment(monkeypatch):
+    from pagedkv.scheduler.cli import build_parser
+
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    args = build_parser().parse_args(["worker", "--connect", "tcp://cp:5555"])
+    assert (args.rank, args.world_size, args.dist_init_method) == (3, 4, "env://")

@@ -258,6 +258,7 @@ class ContiguousAllocator:
             "prefix_caching": False,
             "free_runs": self.pool.free_runs(),
             "block_ref_counts": refs,
+            "cached_free_block_ids": [],
             "num_cpu_blocks": 0,
             "num_free_cpu_blocks": 0,
             "cpu_usage": 0.0,

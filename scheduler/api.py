@@ -9,7 +9,9 @@ Routes (OpenAI API reference, vLLM's extra fields):
   ``supports_chat`` and ``random_weights``;
 - ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``, ``GET /version``: as vLLM serves them;
 - ``GET /health`` (200 or 503), ``GET /metrics`` (Prometheus text), ``GET /kv_cache`` (the block
-  pool and every live request's block table, `Engine.kv_cache_snapshot`).
+  pool and every live request's block table, `Engine.kv_cache_snapshot`), ``GET /kv_cache/advice``
+  (tuning advice, `scheduler.advice`), ``GET /kv_cache/ui`` (the live block-pool page,
+  ``kv_cache_ui.html``).
 
 Every invalid request gets an OpenAI-style error body naming the field::
 
@@ -27,6 +29,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -37,6 +40,8 @@ from pagedkv.common.log import get_logger
 from pagedkv.common.sampling_params import SamplingParams
 
 log = get_logger("pagedkv.api")
+
+_KV_CACHE_UI = (Path(__file__).parent / "kv_cache_ui.html").read_bytes()
 
 ENGINE_KEY: web.AppKey = web.AppKey("engine", object)  # the app's engine, for startup/cleanup hooks
 
@@ -827,6 +832,14 @@ class _API:
         """GET /kv_cache: block_size, num_gpu_blocks, num_free_blocks, usage and each request's block table."""
         return _json(self.engine.kv_cache_snapshot())
 
+    async def kv_cache_advice(self, request: web.Request) -> web.Response:
+        """GET /kv_cache/advice: tuning advice from the last minutes of metrics (`scheduler.advice`)."""
+        return _json(self.engine.advisor.advice())
+
+    async def kv_cache_ui(self, request: web.Request) -> web.Response:
+        """GET /kv_cache/ui: the live block-pool page (one static HTML file; it polls /kv_cache)."""
+        return web.Response(body=_KV_CACHE_UI, content_type="text/html", charset="utf-8")
+
 
 async def _stream(request: web.Request, gen: _Generation, events: AsyncIterator[bytes]) -> web.StreamResponse:
     """Send ``events`` as SSE, then ``data: [DONE]``; a disconnected client aborts the generation."""
@@ -865,4 +878,6 @@ def build_app(engine) -> web.Application:
     app.router.add_get("/health", api.health)
     app.router.add_get("/metrics", api.metrics)
     app.router.add_get("/kv_cache", api.kv_cache)
+    app.router.add_get("/kv_cache/advice", api.kv_cache_advice)
+    app.router.add_get("/kv_cache/ui", api.kv_cache_ui)
     return app

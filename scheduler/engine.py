@@ -20,6 +20,7 @@ from pagedkv.common.log import get_logger
 from pagedkv.common.protocol import StepResult
 from pagedkv.common.sampling_params import SamplingParams
 from pagedkv.common.tracing import RequestTracer, make_tracer
+from pagedkv.scheduler.advice import Advisor, Sample, Settings
 from pagedkv.scheduler.kv_cache_manager import KVCacheManager
 from pagedkv.scheduler.metrics import Metrics
 from pagedkv.scheduler.output_processor import OutputProcessor, RequestOutput, RequestStream
@@ -52,12 +53,19 @@ class Engine:
         # names the API answers to; the first is the one it reports (--served-model-name)
         self.served_model_names = list(config.served_model_name) or [model_config.name]
         self.metrics = Metrics(self.served_model_names[0], config.tensor_parallel_size)
+        self.metrics.watch(usage=lambda: self.kv.usage, num_cached_free=lambda: self.kv.num_cached_free_blocks,
+                           num_running=lambda: len(self.scheduler.running),
+                           num_waiting=lambda: len(self.scheduler.waiting),
+                           num_swapped=lambda: len(self.scheduler.swapped),
+                           cpu_usage=lambda: self.kv.cpu_usage)
+        self.advisor: Advisor | None = None  # set by `start`, once the worker reported its KV dtype
         self.tracer: RequestTracer | None = None
         self.output = OutputProcessor(tokenizer, self.scheduler, self.max_model_len)
         self.step_hooks: list[Callable[[ScheduledStep], None]] = []  # called after each step's tokens are computed
         self._aborts: set[str] = set()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._advice_task: asyncio.Task | None = None
         self._error: str | None = None
 
     @classmethod
@@ -106,7 +114,12 @@ class Engine:
         if hello.swap_bandwidth:
             engine.scheduler.policy.swap_bandwidth = hello.swap_bandwidth
         engine.tracer = tracer
+        engine.advisor = Advisor(Settings(
+            max_num_seqs=config.max_num_seqs, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
+            block_size=config.block_size, max_model_len=engine.max_model_len, kv_cache_dtype=hello.dtype,
+            preemption_mode=config.preemption_mode, swap_space=config.swap_space))
         engine._task = asyncio.create_task(engine._loop(), name="pagedkv-engine-loop")
+        engine._advice_task = asyncio.create_task(engine._advise(), name="pagedkv-advice")
         log.info("engine started", model=model_config.name, random_weights=engine.random_weights,
                  device=hello.device, dtype=hello.dtype, world_size=config.tensor_parallel_size,
                  block_size=config.block_size,
@@ -198,14 +211,12 @@ class Engine:
             while True:
                 self._apply_aborts()
                 if not (self.scheduler.waiting or self.scheduler.running or self.scheduler.swapped):
-                    self._publish_gauges()
                     self._wake.clear()
                     await self._wake.wait()
                     continue
                 step = self.scheduler.schedule()
                 self._record_preemptions(step)
                 if step.is_empty:  # nothing can run until an arrival, an abort or a finish changes that
-                    self._publish_gauges()
                     self._wake.clear()
                     await self._wake.wait()
                     continue
@@ -226,15 +237,22 @@ class Engine:
                 for hook in self.step_hooks:
                     hook(step)
                 self._apply_result(result)
-                self._publish_gauges()
         except Exception as e:  # a bug in the control plane must not leave clients hanging
             log.exception("engine loop crashed")
             self._fail_all(f"engine loop crashed: {e!r}")
 
-    def _publish_gauges(self) -> None:
-        self.metrics.on_step(len(self.scheduler.running), len(self.scheduler.waiting),
-                             self.kv.usage, self.kv.num_cached_free_blocks)
-        self.metrics.on_host_pool(len(self.scheduler.swapped), self.kv.cpu_usage)
+    async def _advise(self) -> None:
+        """Sample the pool for the advisor every ``interval_s``; log the advice when it changes."""
+        interval = self.advisor.thresholds.interval_s
+        while True:
+            self.advisor.record(self.advice_sample())
+            self.advisor.log_if_changed(time.monotonic())
+            await asyncio.sleep(interval)
+
+    def advice_sample(self) -> Sample:
+        """The state the advice rules read, now."""
+        return Sample(time.monotonic(), self.kv.usage, len(self.scheduler.running), len(self.scheduler.waiting),
+                      len(self.scheduler.swapped), self.kv.cpu_usage, self.scheduler.num_preemptions)
 
     def _record_preemptions(self, step: ScheduledStep) -> None:
         """Count, log and trace a step's preemptions (one per preempted sequence), resumptions and swaps."""
@@ -285,6 +303,10 @@ class Engine:
         self.output.forget(stream)
         now = time.monotonic()
         self.metrics.on_finished(status.finish_reason, now - stream.arrival_time)
+        if self.advisor is not None and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            for m in stream.members:
+                if m.index < stream.n:
+                    self.advisor.on_finished(now, m.num_tokens)
         self.metrics.on_request_preemptions(sum(m.num_preemptions for m in stream.members))
         if stream.span is not None:
             self.tracer.end_request(stream.span, [m.request_id for m in stream.members],
@@ -330,6 +352,8 @@ class Engine:
 
     async def shutdown(self) -> None:
         """Abort everything, stop the loop, stop the worker."""
+        if self._advice_task is not None:
+            self._advice_task.cancel()
         if self._task is not None and not self._task.done():
             for rid in list(self.output.streams):
                 self.abort(rid)

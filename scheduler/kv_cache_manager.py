@@ -298,7 +298,8 @@ class KVCacheManager:
         self.swap.free(request)
 
     def snapshot(self) -> dict:
-        """JSON-ready view of both pools: sizes, usage, and the ref count of every referenced device block."""
+        """JSON-ready view of both pools: sizes, usage, the ref count of every referenced device block,
+        and the free device blocks that still hold a cached prefix (evictable, least recently used first)."""
         return {
             "block_size": self.block_size,
             "num_gpu_blocks": self.pool.num_blocks,
@@ -307,6 +308,7 @@ class KVCacheManager:
             "usage": self.pool.usage,
             "prefix_caching": self.enable_prefix_caching,
             "block_ref_counts": {str(b.block_id): b.ref_cnt for b in self.pool.blocks if b.ref_cnt > 0},
+            "cached_free_block_ids": sorted(b.block_id for b in self.pool.cached.values() if b.ref_cnt == 0),
             "num_cpu_blocks": self.swap.num_cpu_blocks,
             "num_free_cpu_blocks": self.swap.num_free_cpu_blocks,
             "cpu_usage": self.swap.usage,

@@ -51,11 +51,13 @@ class Metrics:
             self.num_preemptions.labels(mode=mode, **self._l)
         self.world_size.labels(**self._l).set(world_size)
 
-    def on_step(self, num_running: int, num_waiting: int, kv_usage: float, num_cached_free: int) -> None:
-        self.num_running.labels(**self._l).set(num_running)
-        self.num_waiting.labels(**self._l).set(num_waiting)
-        self.kv_cache_usage.labels(**self._l).set(kv_usage)
-        self.num_cached_free_blocks.labels(**self._l).set(num_cached_free)
+    def watch(self, *, usage, num_cached_free, num_running, num_waiting, num_swapped, cpu_usage) -> None:
+        """Read the pool gauges live, at scrape time, from zero-argument callables: /metrics and
+        /kv_cache then agree whenever they are read at the same moment."""
+        for gauge, read in ((self.kv_cache_usage, usage), (self.num_cached_free_blocks, num_cached_free),
+                            (self.num_running, num_running), (self.num_waiting, num_waiting),
+                            (self.num_swapped, num_swapped), (self.cpu_kv_cache_usage, cpu_usage)):
+            gauge.labels(**self._l).set_function(read)
 
     def on_preemption(self, mode: str) -> None:
         self.num_preemptions.labels(mode=mode, **self._l).inc()
@@ -64,11 +66,6 @@ class Metrics:
         """One step's swaps, in blocks each way."""
         self.blocks_swapped_out.labels(**self._l).inc(num_blocks_out)
         self.blocks_swapped_in.labels(**self._l).inc(num_blocks_in)
-
-    def on_host_pool(self, num_swapped: int, cpu_usage: float) -> None:
-        """Requests swapped out now, and the fraction of host blocks they hold."""
-        self.num_swapped.labels(**self._l).set(num_swapped)
-        self.cpu_kv_cache_usage.labels(**self._l).set(cpu_usage)
 
     def on_request_preemptions(self, num_preemptions: int) -> None:
         """A finished request was preempted ``num_preemptions`` times (all its sequences together)."""

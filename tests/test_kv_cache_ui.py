@@ -1,0 +1,184 @@
+"""GET /kv_cache/ui in a real headless Chromium (system package), against a real engine under load.
+
+What the page draws is read back from its canvas, block by block, and compared with the very
+/kv_cache response the page rendered (captured from Chromium's network log, so it is the server's
+answer, not the page's own account of it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+from browser import Chromium
+
+from pagedkv.common.config import EngineConfig
+from pagedkv.scheduler.api import build_app
+from pagedkv.scheduler.engine import Engine
+
+# The page's colours (kv_cache_ui.html): free, cached and evictable, referenced once, shared, host used.
+COLOURS = {(222, 226, 233): "free", (142, 202, 230): "cached", (42, 157, 143): "ref1", (231, 111, 81): "shared"}
+HOST_COLOURS = {(222, 226, 233): "free", (155, 93, 229): "used"}
+
+# Reads the pixel at the top-left corner of every block's cell from the canvas backing store.
+READ_CANVAS = """(() => {
+  const out = {};
+  for (const which of ["device", "host"]) {
+    const pool = kvui.state[which], L = pool.layout, c = document.getElementById(which);
+    const d = c.getContext("2d").getImageData(0, 0, c.width, c.height).data, px = [];
+    if (L.blocksPerCell === 1)
+      for (let i = 0; i < pool.states.length; i++) {
+        const o = (Math.floor(i / L.cols) * L.cell * c.width + (i % L.cols) * L.cell) * 4;
+        px.push([d[o], d[o + 1], d[o + 2]]);
+      }
+    out[which] = {layout: L, pixels: px};
+  }
+  out.snapshot = kvui.state.snapshot;
+  out.legend = Object.fromEntries(["free", "cached", "ref1", "shared", "host-free", "host-used"].map(
+      (k) => [k, Number(document.getElementById("c-" + k).textContent.replace(/,/g, ""))]));
+  out.rows = [...document.querySelectorAll("#requests tr[data-id]")].map(
+      (tr) => [...tr.children].map((td) => td.textContent));
+  return out;
+})()"""
+
+
+def expected_counts(snap: dict) -> dict:
+    refs = snap["block_ref_counts"].values()
+    return {"free": snap["num_free_blocks"] - snap["num_cached_free_blocks"], "cached": snap["num_cached_free_blocks"],
+            "ref1": sum(r == 1 for r in refs), "shared": sum(r > 1 for r in refs)}
+
+
+def ranges(ids: list[int]) -> str:
+    out, i = [], 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        out.append(f"{ids[i]}–{ids[j]}" if j > i else str(ids[i]))
+        i = j + 1
+    return " ".join(out)
+
+
+async def kv_cache_bodies(page) -> list[dict]:
+    """Every /kv_cache response body the page received so far (Chromium's network log)."""
+    bodies = []
+    ids = [e["params"]["requestId"] for e in page.events
+           if e["method"] == "Network.responseReceived" and e["params"]["response"]["url"].endswith("/kv_cache")]
+    for rid in ids:
+        try:
+            bodies.append(json.loads((await page.send("Network.getResponseBody", requestId=rid))["body"]))
+        except RuntimeError:  # still loading, or evicted from the buffer
+            pass
+    return bodies
+
+
+async def observe(page) -> dict:
+    """Pause the page, read what it drew, check it against the /kv_cache response it drew, resume."""
+    await page.evaluate("kvui.pause()")
+    await asyncio.sleep(0.5)  # a poll in flight lands (and is not drawn)
+    seen = await page.evaluate(READ_CANVAS)
+    snap = seen["snapshot"]
+    assert snap in await kv_cache_bodies(page), "the page drew something /kv_cache never sent"
+    drawn = [COLOURS[tuple(p)] for p in seen["device"]["pixels"]]
+    assert len(drawn) == snap["num_gpu_blocks"]
+    counts = {k: drawn.count(k) for k in ("free", "cached", "ref1", "shared")}
+    assert counts == expected_counts(snap)
+    for b, ref in snap["block_ref_counts"].items():  # block by block, not only the totals
+        assert drawn[int(b)] == ("shared" if ref > 1 else "ref1")
+    for b in snap["cached_free_block_ids"]:
+        assert drawn[b] == "cached"
+    host = [HOST_COLOURS[tuple(p)] for p in seen["host"]["pixels"]]
+    used = {b for r in snap["swapped_requests"] for b in r["host_block_table"]}
+    assert len(host) == snap["num_cpu_blocks"] and {i for i, h in enumerate(host) if h == "used"} == used
+    assert seen["legend"] == {**counts, "host-free": snap["num_cpu_blocks"] - len(used), "host-used": len(used)}
+    # one row per live request, with its block table (host blocks for a swapped one)
+    host_tables = {r["id"]: r["host_block_table"] for r in snap["swapped_requests"]}
+    rows = {r[0]: r for r in seen["rows"]}
+    assert set(rows) == {r["id"] for r in snap["requests"]}
+    for r in snap["requests"]:
+        table = host_tables[r["id"]] if r["status"] == "swapped" else r["block_table"]
+        assert rows[r["id"]][1:] == [r["status"], f"{r['num_computed_tokens']} / {r['num_tokens']}", str(len(table)),
+                                     ("host " if r["status"] == "swapped" else "") + ranges(table)]
+    await page.evaluate("kvui.resume()")
+    return {"snapshot": snap, "counts": counts, "layout": seen["device"]["layout"]}
+
+
+async def hover_block(page, block: int) -> str:
+    """Move the mouse over a device block's cell; returns the tooltip's text."""
+    box = await page.evaluate("""(() => { const r = document.getElementById("device").getBoundingClientRect();
+        return {x: r.left, y: r.top}; })()""")
+    layout = await page.evaluate("kvui.state.device.layout")
+    x = box["x"] + (block % layout["cols"]) * layout["cell"] + 1
+    y = box["y"] + (block // layout["cols"]) * layout["cell"] + 1
+    await page.send("Input.dispatchMouseEvent", type="mouseMoved", x=x, y=y)
+    return await page.wait_for("document.getElementById('tip').style.display === 'block' && "
+                               "document.getElementById('tip').textContent")
+
+
+@pytest.fixture
+async def served(stories260k):
+    engines, servers = [], []
+
+    async def serve(**kw) -> tuple[Engine, str]:
+        engine = await Engine.start(EngineConfig(model=str(stories260k), device="cpu", worker_timeout=60, **kw))
+        engines.append(engine)
+        server = TestServer(build_app(engine), host="127.0.0.1", port=0)
+        await server.start_server()
+        servers.append(server)
+        return engine, str(server.make_url("")).rstrip("/")
+
+    yield serve
+    for s in servers:
+        await s.close()
+    for e in engines:
+        await e.shutdown()
+
+
+async def test_page_draws_every_block_as_kv_cache_reports_it_and_follows_requests(served, tmp_path):
+    # 24 blocks of 8 tokens: 3 pairs (n = 2) sharing a 17-token prompt's 2 full blocks, long outputs
+    # that overflow the pool, so the page sees sharing, swapping and requests coming and going.
+    engine, base = await served(num_gpu_blocks=24, block_size=8, max_num_seqs=8, preemption_mode="swap",
+                                swap_space=0.0005)  # 25 host blocks of 20 KiB
+    prompt = list(range(300, 317))
+    async with aiohttp.ClientSession(base) as http, Chromium(tmp_path / "profile") as browser:
+        page = await browser.page(f"{base}/kv_cache/ui?interval=150")
+        await page.wait_for("document.body.dataset.renders >= 1")
+        idle = await observe(page)
+        assert idle["counts"] == {"free": 24, "cached": 0, "ref1": 0, "shared": 0}
+
+        async def complete(max_tokens: int) -> dict:
+            body = {"prompt": prompt, "max_tokens": max_tokens, "n": 2, "temperature": 1.0, "ignore_eos": True}
+            async with http.post("/v1/completions", json=body) as resp:
+                assert resp.status == 200
+                return await resp.json()
+
+        load = [asyncio.create_task(complete(40 + 15 * i)) for i in range(3)]
+        await page.wait_for("kvui.state.snapshot.block_ref_counts && "
+                            "Object.values(kvui.state.snapshot.block_ref_counts).some((r) => r > 1)")
+        busy = await observe(page)
+        assert busy["counts"]["shared"] >= 1 and busy["snapshot"]["requests"]
+        await page.evaluate("kvui.pause()")
+        await asyncio.sleep(0.5)
+        snap = await page.evaluate("kvui.state.snapshot")
+        shared = next(int(b) for b, r in snap["block_ref_counts"].items() if r > 1)
+        tip = await hover_block(page, shared)
+        assert tip.startswith(f"block {shared} · shared · ref {snap['block_ref_counts'][str(shared)]}\n")
+        if shot := os.environ.get("PAGEDKV_UI_SCREENSHOT"):  # docs/kv-cache-ui.png comes from here
+            await page.screenshot(Path(shot))
+        await page.evaluate("kvui.resume()")
+
+        await asyncio.gather(*load)
+        # every request ended: the page follows, and now agrees with a /kv_cache fetched directly
+        await page.wait_for("kvui.state.snapshot.requests.length === 0 && kvui.state.snapshot.usage === 0")
+        done = await observe(page)
+        async with http.get("/kv_cache") as resp:
+            now = await resp.json()
+        assert done["snapshot"] == now and done["counts"] == expected_counts(now)
+        assert done["counts"]["ref1"] == done["counts"]["shared"] == 0 and done["counts"]["cached"] >= 2
+        assert engine.scheduler.num_preemptions > 0
+        await page.close()

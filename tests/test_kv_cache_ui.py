@@ -110,11 +110,11 @@ async def observe(page) -> dict:
 
 async def hover_block(page, block: int) -> str:
     """Move the mouse over a device block's cell; returns the tooltip's text."""
-    box = await page.evaluate("""(() => { const r = document.getElementById("device").getBoundingClientRect();
-        return {x: r.left, y: r.top}; })()""")
+    box = await page.evaluate("""(() => { const c = document.getElementById("device"), r = c.getBoundingClientRect();
+        return {x: r.left + c.clientLeft, y: r.top + c.clientTop}; })()""")
     layout = await page.evaluate("kvui.state.device.layout")
-    x = box["x"] + (block % layout["cols"]) * layout["cell"] + 1
-    y = box["y"] + (block // layout["cols"]) * layout["cell"] + 1
+    x = box["x"] + (block % layout["cols"] + 0.5) * layout["cell"]
+    y = box["y"] + (block // layout["cols"] + 0.5) * layout["cell"]
     await page.send("Input.dispatchMouseEvent", type="mouseMoved", x=x, y=y)
     return await page.wait_for("document.getElementById('tip').style.display === 'block' && "
                                "document.getElementById('tip').textContent")
@@ -182,3 +182,78 @@ async def test_page_draws_every_block_as_kv_cache_reports_it_and_follows_request
         assert done["counts"]["ref1"] == done["counts"]["shared"] == 0 and done["counts"]["cached"] >= 2
         assert engine.scheduler.num_preemptions > 0
         await page.close()
+
+
+async def test_page_stays_exact_at_100k_device_blocks_and_summarises_a_million_host_blocks(tmp_path):
+    """The page alone (its real HTML) against a synthetic /kv_cache of 100,000 device blocks in every
+    state and 1,000,000 host blocks: every device block gets its own cell with the right colour, and
+    the host pool, too large for its canvas, is drawn k blocks per pixel in their mean colour."""
+    from aiohttp import web
+
+    from pagedkv.scheduler.api import _KV_CACHE_UI
+
+    n, n_host = 100_000, 1_000_000
+    refs = {str(b): 1 + (b // 7) % 4 for b in range(0, n, 2)}  # every other block held, 1 to 4 times
+    cached = list(range(1, n, 6))  # a third of the free ones still hold a cached prefix
+    swapped = [{"id": f"swapped-{i}", "num_computed_tokens": 64, "host_block_table": list(range(i * 5000, i * 5000 + 3000))}
+               for i in range(100)]
+    snap = {"block_size": 16, "num_gpu_blocks": n, "num_free_blocks": n - len(refs), "num_cached_free_blocks": len(cached),
+            "usage": len(refs) / n, "prefix_caching": True, "block_ref_counts": refs, "cached_free_block_ids": cached,
+            "num_cpu_blocks": n_host, "num_free_cpu_blocks": n_host - 300_000, "cpu_usage": 0.3,
+            "num_requests_swapped": 100, "swapped_requests": swapped, "num_requests_running": 1,
+            "num_requests_waiting": 0,
+            "requests": [{"id": "r0", "status": "running", "num_tokens": 32, "num_computed_tokens": 31,
+                          "block_table": [0, 2], "num_prompt_tokens": 8, "max_tokens": 64}]
+                       + [{"id": s["id"], "status": "swapped", "num_tokens": 64, "num_computed_tokens": 64,
+                           "block_table": [], "num_prompt_tokens": 8, "max_tokens": 64} for s in swapped]}
+    async def ui(request):
+        return web.Response(body=_KV_CACHE_UI, content_type="text/html")
+
+    async def kv_cache(request):
+        return web.json_response(snap)
+
+    async def metrics(request):
+        return web.Response(text="")
+
+    async def advice(request):
+        return web.json_response({"advice": [], "observed": {}})
+
+    app = web.Application()
+    for path, handler in (("/kv_cache/ui", ui), ("/kv_cache", kv_cache), ("/metrics", metrics),
+                          ("/kv_cache/advice", advice)):
+        app.router.add_get(path, handler)
+    server = TestServer(app, host="127.0.0.1", port=0)
+    await server.start_server()
+    try:
+        async with Chromium(tmp_path / "profile") as browser:
+            page = await browser.page(str(server.make_url("/kv_cache/ui?interval=2000")))
+            await page.wait_for("document.body.dataset.renders >= 1")
+            seen = await page.evaluate(READ_CANVAS.replace("out.snapshot = kvui.state.snapshot;", ""))
+            draw_ms = await page.evaluate("kvui.state.lastDrawMs")
+            summary = await page.evaluate("""(() => { const c = document.getElementById("host");
+                const d = c.getContext("2d").getImageData(0, 0, c.width, c.height).data;
+                return {layout: kvui.state.host.layout, first: Array.from(d.slice(0, 4 * 4000))}; })()""")
+            tip = await hover_block(page, 14)
+            await page.close()
+    finally:
+        await server.close()
+    drawn = [COLOURS[tuple(p)] for p in seen["device"]["pixels"]]
+    cached_set = set(cached)
+    want = ["ref1" if refs.get(str(b)) == 1 else "shared" if str(b) in refs else "cached" if b in cached_set else "free"
+            for b in range(n)]
+    assert drawn == want and seen["device"]["layout"]["blocksPerCell"] == 1
+    assert seen["legend"] == {"free": want.count("free"), "cached": len(cached), "ref1": want.count("ref1"),
+                              "shared": want.count("shared"), "host-free": 700_000, "host-used": 300_000}
+    assert refs["14"] == 3 and tip == "block 14 · shared · ref 3"  # no live request holds it: no names
+    # the host pool: k blocks per pixel, each pixel the rounded mean colour of its k blocks
+    layout = summary["layout"]
+    k = layout["blocksPerCell"]
+    assert k > 1 and layout["cols"] * layout["rows"] * k >= n_host
+    used = {b for s in swapped for b in s["host_block_table"]}
+    free_c, used_c = (222, 226, 233), (155, 93, 229)
+    for p in range(1000):
+        blocks = range(p * k, min(n_host, (p + 1) * k))
+        m = sum(b in used for b in blocks)
+        mean = [round((m * u + (len(blocks) - m) * f) / len(blocks)) for u, f in zip(used_c, free_c)]
+        assert summary["first"][4 * p:4 * p + 3] == mean, p
+    print(f"100K device blocks + 1M host blocks drawn in {draw_ms:.1f} ms")

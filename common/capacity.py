@@ -145,7 +145,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=0.9, help="fraction of device memory the engine may use (default 0.9)")
     parser.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
                         help="weight dtype; auto: the checkpoint's torch_dtype")
-    parser.add_argument("--kv-cache-dtype", choices=["auto", "float32", "float16", "bfloat16", "fp8"],
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3",
+                                                      "fp8_e5m2"],
                         default="auto", help="KV cache dtype; auto: same as --dtype")
     parser.add_argument("--activation-reserve-gib", type=_positive(float, "--activation-reserve-gib", True),
                         default=DEFAULT_ACTIVATION_RESERVE_GIB, metavar="GIB",

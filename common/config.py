@@ -37,7 +37,22 @@ EMBEDDED_HF_CONFIG: dict = {
     "torch_dtype": "float32",
 }
 
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1}
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+
+# --kv-cache-dtype values (vLLM's): auto = the model's dtype; fp8 = fp8_e4m3 (OCP FP8 E4M3, 3 mantissa
+# bits, range ±448); fp8_e5m2 (2 mantissa bits, range ±57344). An fp8 pool stores K and V in one byte
+# per element with one scale per layer for K and one for V (``k_scale``, ``v_scale``).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str) -> str:
+    """The KV pool's element type name: ``dtype`` (the model's, resolved) for auto, fp8 -> fp8_e4m3.
+
+    Raises ValueError for a value outside `KV_CACHE_DTYPES`.
+    """
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    return dtype if kv_cache_dtype == "auto" else {"fp8": "fp8_e4m3"}.get(kv_cache_dtype, kv_cache_dtype)
 
 
 class ModelConfig(msgspec.Struct, frozen=True):
@@ -207,6 +222,11 @@ class EngineConfig(msgspec.Struct):
     served_model_name: list[str] = []  # names the API answers to (the first in responses); []: the model's
     chat_template: str | None = None  # a jinja2 chat template overriding the checkpoint's (--chat-template)
     tensor_parallel_size: int = 1  # worker ranks, each holding 1/N of the heads and of the MLP (ModelConfig.shard)
+    kv_cache_dtype: str = "auto"  # auto | fp8 | fp8_e4m3 | fp8_e5m2 (KV_CACHE_DTYPES)
+    # fp8 scales (dequantized = stored x scale), the same for every layer; None: the checkpoint's
+    # per-layer k_scale/v_scale, else computed from the first prefill
+    k_scale: float | None = None
+    v_scale: float | None = None
 
 
 def read_json(path: str):

@@ -154,7 +154,8 @@ class LoadModel(msgspec.Struct, tag="load_model"):
 class WorkerHello(msgspec.Struct, tag="hello"):
     """What a worker can hold, reported after loading the model and profiling one forward pass.
 
-    kv_bytes_per_block: bytes of one block's K and V across all layers.
+    kv_bytes_per_block: bytes of one block's K and V across all layers, in the pool's dtype
+    ``kv_cache_dtype`` (one byte per element for fp8).
     max_num_gpu_blocks: blocks that fit in the device KV budget (CUDA: free memory x
     gpu_memory_utilization after profiling; CPU: cpu_kv_cache_space GiB).
     swap_bandwidth: measured host<->device copy bandwidth in bytes/s (None on CPU: no copy needed
@@ -167,6 +168,7 @@ class WorkerHello(msgspec.Struct, tag="hello"):
     kv_bytes_per_block: int
     max_num_gpu_blocks: int
     swap_bandwidth: float | None = None
+    kv_cache_dtype: str = "auto"  # the pool's element type: the model dtype's name, fp8_e4m3 or fp8_e5m2
 
 
 class InitCache(msgspec.Struct, tag="init_cache"):

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from pagedkv.kernels import fp8
+
 
 def paged_attention(
     q: torch.Tensor,
@@ -26,6 +28,8 @@ def paged_attention(
     out: torch.Tensor | None = None,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of new query tokens over each sequence's paged context.
 
@@ -39,6 +43,7 @@ def paged_attention(
     GQA: num_heads must be a multiple of num_kv_heads; head h reads kv head h // (num_heads // num_kv_heads).
     max_query_len, max_seq_len: hints other backends use (see `kernels.triton_kernels`); ignored here.
     Accumulates in fp32; returns ``[num_tokens, num_heads, head_dim]`` in q's dtype (into ``out`` if given).
+    fp8 caches (`kernels.fp8`): K and V are dequantized (x k_scale, x v_scale) before attending.
     """
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -54,8 +59,8 @@ def paged_attention(
             continue
         num_blocks = (seq_len + block_size - 1) // block_size
         blocks = block_tables[i, :num_blocks].long()
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        k = fp8.dequantize(k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len], k_scale)
+        v = fp8.dequantize(v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len], v_scale)
         k = k.repeat_interleave(group, dim=1)  # [seq_len, num_heads, head_dim]
         v = v.repeat_interleave(group, dim=1)
         qi = q[q_start:q_end].float()  # [q_len, num_heads, head_dim]
@@ -85,11 +90,15 @@ def batched_paged_attention(
     out: torch.Tensor | None = None,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """`paged_attention` for a whole batch at once, with no Python loop over sequences.
 
     Same arguments, semantics and result as `paged_attention` (the oracle), on any device.
     max_query_len and max_seq_len are accepted for parity with the Triton backend and unused.
+    fp8 caches (`kernels.fp8`): each chunk's gathered K and V are dequantized (x k_scale, x v_scale)
+    as the oracle does, then attended in fp32.
     Sequences are split into decode (q_len 1) and prefill/extend (q_len > 1) groups, each sorted by
     context length and cut into chunks of at most ``_GATHER_BUDGET`` gathered K (or score) elements; a chunk
     gathers its K/V through the block table into ``[seqs, ctx, kv_heads, head_dim]``, pads its
@@ -115,11 +124,11 @@ def batched_paged_attention(
         for first in range(0, group.numel(), step):  # chunks of sequences, not one per sequence
             seqs = group[first:first + step]
             _attend(q, k_cache, v_cache, block_tables[seqs], seq_lens[seqs], starts[seqs], q_lens[seqs],
-                    max_q, scale, out)
+                    max_q, scale, out, k_scale, v_scale)
     return out
 
 
-def _attend(q, k_cache, v_cache, tables, seq_lens, starts, q_lens, max_q, scale, out) -> None:
+def _attend(q, k_cache, v_cache, tables, seq_lens, starts, q_lens, max_q, scale, out, k_scale, v_scale) -> None:
     """One chunk of `batched_paged_attention`: padded, masked attention of ``len(seq_lens)`` sequences."""
     num_seqs = seq_lens.shape[0]
     _, num_heads, head_dim = q.shape
@@ -128,8 +137,8 @@ def _attend(q, k_cache, v_cache, tables, seq_lens, starts, q_lens, max_q, scale,
     ctx = int(seq_lens.max())
     num_blocks = -(-ctx // block_size)
     blocks = tables[:, :num_blocks].long().clamp_min(0)  # unused columns may hold anything (-1)
-    k = k_cache[blocks].view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
-    v = v_cache[blocks].view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
+    k = fp8.dequantize(k_cache[blocks], k_scale).view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
+    v = fp8.dequantize(v_cache[blocks], v_scale).view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
     j = torch.arange(max_q, device=q.device)
     valid = j[None, :] < q_lens[:, None]  # [seqs, max_q]
     rows = torch.where(valid, starts[:, None] + j[None, :], 0)
@@ -152,18 +161,25 @@ def write_kv_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Store new tokens' K and V into their slots, in place.
 
     key, value: ``[num_tokens, num_kv_heads, head_dim]``; k_cache, v_cache:
     ``[num_blocks, block_size, num_kv_heads, head_dim]``; slot_mapping: ``[num_tokens]`` int64,
-    slot = block_id * block_size + offset, -1 = skip (padding). Values are cast to the cache dtype.
+    slot = block_id * block_size + offset, -1 = skip (padding). Values are cast to the cache dtype;
+    into an fp8 cache they are quantized, ``x / k_scale`` (``x / v_scale``) saturated (`kernels.fp8`).
     """
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim)[slots] = key[keep].to(k_cache.dtype)
-    v_cache.view(-1, num_kv_heads, head_dim)[slots] = value[keep].to(v_cache.dtype)
+    if fp8.is_fp8(k_cache.dtype):
+        k, v = fp8.quantize(key[keep], k_scale, k_cache.dtype), fp8.quantize(value[keep], v_scale, v_cache.dtype)
+    else:
+        k, v = key[keep].to(k_cache.dtype), value[keep].to(v_cache.dtype)
+    k_cache.view(-1, num_kv_heads, head_dim)[slots] = k
+    v_cache.view(-1, num_kv_heads, head_dim)[slots] = v
 
 
 def copy_blocks(

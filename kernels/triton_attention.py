@@ -67,7 +67,7 @@ def _mma(a, b, F32: tl.constexpr):
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr,
-    qk_scale, num_heads, num_partitions, partition,
+    qk_scale, v_scale, num_heads, num_partitions, partition,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
@@ -75,7 +75,7 @@ def _decode_kernel(
     stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, F32: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, F32: tl.constexpr, FP8: tl.constexpr,
 ):
     """One program: one decode sequence, one KV head (its GROUP query heads), one partition.
 
@@ -117,6 +117,9 @@ def _decode_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_ptr + slot_k[:, None] + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + slot_v[:, None] + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        if FP8:  # dequantize: exact in q's dtype; k_scale is in qk_scale, v_scale applied to acc
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
 
         s = _mma(q, tl.trans(k), F32) * qk_scale  # [GROUP_PAD, TILE_N], log2 units
         s = tl.where(n_mask[None, :], s, float("-inf"))
@@ -126,6 +129,7 @@ def _decode_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _mma(p, v, F32)
         m_i = m_new
+    acc = acc * v_scale  # partial accumulators combine linearly: scaling each scales the result
 
     if seq_len <= partition:
         # The whole context fit one partition: final output, no reduce needed.
@@ -179,7 +183,7 @@ def _prefill_tile(
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
     qk_scale,
-    BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, F32: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, F32: tl.constexpr, FP8: tl.constexpr,
 ):
     """One K/V tile of the FlashAttention-2 inner loop. CAUSAL=False for tiles every row sees."""
     pos = start + offs_n
@@ -189,6 +193,9 @@ def _prefill_tile(
     kv_mask = (pos < kv_end)[:, None] & d_mask[None, :]
     k = tl.load(k_ptr + slot_k[:, None] + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
     v = tl.load(v_ptr + slot_v[:, None] + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+    if FP8:  # dequantize (see _decode_kernel)
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     s = _mma(q, tl.trans(k), F32) * qk_scale  # [BLOCK_M, TILE_N], log2 units
     if CAUSAL:
         visible = (pos[None, :] <= q_pos[:, None]) & (pos < kv_end)[None, :]
@@ -204,7 +211,7 @@ def _prefill_tile(
 @triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    qk_scale, num_seqs,
+    qk_scale, v_scale, num_seqs,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
@@ -212,7 +219,7 @@ def _prefill_kernel(
     stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, F32: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, F32: tl.constexpr, FP8: tl.constexpr,
 ):
     """One program: BLOCK_Q query tokens × the GROUP query heads of one KV head, of one sequence.
 
@@ -267,14 +274,14 @@ def _prefill_kernel(
         acc, m_i, l_i = _prefill_tile(
             acc, m_i, l_i, q, q_pos, start, kv_end, offs_n, offs_d, d_mask, block_row,
             k_ptr, v_ptr, kv_head, stride_kb, stride_kt, stride_kh, stride_kd,
-            stride_vb, stride_vt, stride_vh, stride_vd, qk_scale, BLOCK_SIZE, False, F32)
+            stride_vb, stride_vt, stride_vh, stride_vd, qk_scale, BLOCK_SIZE, False, F32, FP8)
     for start in range(full_end, kv_end, TILE_N):
         acc, m_i, l_i = _prefill_tile(
             acc, m_i, l_i, q, q_pos, start, kv_end, offs_n, offs_d, d_mask, block_row,
             k_ptr, v_ptr, kv_head, stride_kb, stride_kt, stride_kh, stride_kd,
-            stride_vb, stride_vt, stride_vh, stride_vd, qk_scale, BLOCK_SIZE, True, F32)
+            stride_vb, stride_vt, stride_vh, stride_vd, qk_scale, BLOCK_SIZE, True, F32, FP8)
 
-    o = acc / l_i[:, None]
+    o = acc * v_scale / l_i[:, None]
     o_off = (q_start + tok).to(tl.int64) * stride_ot + heads * stride_oh
     tl.store(out_ptr + o_off[:, None] + offs_d[None, :] * stride_od,
              o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
@@ -317,9 +324,10 @@ def _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_sta
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if head_dim > _MAX_HEAD_DIM:
         raise ValueError(f"head_dim {head_dim} > {_MAX_HEAD_DIM} is not supported")
-    for name, t in (("k_cache", k_cache), ("q", q)):
-        if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise ValueError(f"{name} dtype {t.dtype} is not one of fp32, fp16, bf16")
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"q dtype {q.dtype} is not one of fp32, fp16, bf16")
+    if k_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError(f"k_cache dtype {k_cache.dtype} is not one of fp32, fp16, bf16, fp8 (e4m3, e5m2)")
     num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
     if (block_tables.dim() != 2 or seq_lens.dim() != 1 or block_tables.shape[0] != num_seqs
             or query_start_loc.shape != (num_seqs + 1,)):
@@ -350,6 +358,8 @@ def paged_attention(
     out: torch.Tensor | None = None,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of new query tokens over each sequence's paged context (Triton).
 
@@ -365,6 +375,9 @@ def paged_attention(
     max_query_len: when 1, the prefill/extend kernel is not launched (a decode-only step).
     max_seq_len: an upper bound of every seq_len, used to size split-K by context length (else
     ``max_blocks_per_seq * block_size``); a bound below a real seq_len drops context silently.
+    fp8 caches (float8_e4m3fn / float8_e5m2, `kernels.fp8`) are dequantized inside the kernels: each
+    K/V tile is widened to q's dtype (exact), k_scale folds into the softmax scale and v_scale into
+    the output. Native fp8 loads need a GPU with fp8 support in Triton (sm_89+ for e4m3).
 
     Raises ValueError on inconsistent shapes, dtypes or devices. Lengths are not checked on the
     host (that would sync); seq_lens[i] >= q_len_i and enough block-table columns are the
@@ -382,7 +395,9 @@ def paged_attention(
     group = num_heads // num_kv_heads
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
     f32 = _INTERPRETED or k_cache.dtype == torch.float32
-    qk_scale = float(scale) * _LOG2E
+    fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    qk_scale = float(scale) * _LOG2E * (float(k_scale) if fp8 else 1.0)
+    v_scale = float(v_scale) if fp8 else 1.0
     big_head = head_dim_pad > 128
     common_strides = (*q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
                       block_tables.stride(0))
@@ -401,10 +416,10 @@ def paged_attention(
         part_m = part_l = part_acc = torch.empty(1, dtype=torch.float32, device=q.device)
     _decode_kernel[(num_seqs, num_kv_heads, num_partitions)](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
-        part_m, part_l, part_acc, qk_scale, num_heads, num_partitions, partition, *common_strides,
+        part_m, part_l, part_acc, qk_scale, v_scale, num_heads, num_partitions, partition, *common_strides,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, TILE_N=tile_n,
-        F32=f32, num_warps=4, num_stages=2 if big_head else 3)
+        F32=f32, FP8=fp8, num_warps=4, num_stages=2 if big_head else 3)
     if num_partitions > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, seq_lens, query_start_loc, part_m, part_l, part_acc, num_heads, num_partitions,
@@ -421,9 +436,9 @@ def paged_attention(
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
-        qk_scale, num_seqs, *common_strides,
+        qk_scale, v_scale, num_seqs, *common_strides,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, TILE_N=tile_n,
-        F32=f32, num_warps=8 if head_dim_pad >= 128 else 4,
+        F32=f32, FP8=fp8, num_warps=8 if head_dim_pad >= 128 else 4,
         num_stages=1 if k_cache.dtype == torch.float32 else 2)  # fp32 tiles: bound shared memory
     return out

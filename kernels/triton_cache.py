@@ -11,21 +11,43 @@ import torch
 import triton
 import triton.language as tl
 
-_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+from pagedkv.kernels import fp8
+
+# fp8 blocks are copied as bytes: a copy needs only the element size (and works on any GPU)
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
+              torch.float8_e4m3fn: tl.uint8, torch.float8_e5m2: tl.uint8}
 _COPY_CHUNK = 2048  # elements per copy program: ~4-8 KiB, enough bytes in flight per SM
 
 
 @triton.jit
+def _fp8_grid(x, scale, FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr):
+    """``x / scale`` saturated and rounded to nearest even on the fp8 grid, still in fp32.
+
+    The value is then exactly representable, so the store's cast has nothing left to round (the
+    interpreter's fp32 -> fp8 cast drops the carry when rounding crosses a power of two). The grid
+    step is 2^(e - MANT) for a value in [2^e, 2^(e+1)), e >= EMIN (subnormals below), built from
+    the exponent bits: exact, unlike log2/exp2 approximations.
+    """
+    y = tl.clamp(x.to(tl.float32) / scale, -FP8_MAX, FP8_MAX)
+    a = tl.abs(y)
+    e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, EMIN)
+    step = ((e - MANT + 127) << 23).to(tl.float32, bitcast=True)
+    r = (a / step + 12582912.0) - 12582912.0  # 1.5 x 2^23: fp32 addition rounds to an integer, ties to even
+    return tl.where(y < 0, -r * step, r * step)
+
+
+@triton.jit
 def _write_kv_cache_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_scale, v_scale,
     stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd,
     stride_kcb, stride_kct, stride_kch, stride_kcd,
     stride_vcb, stride_vct, stride_vch, stride_vcd,
     NUM_KV_HEADS: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8_MAX: tl.constexpr,
+    FP8_MANT: tl.constexpr, FP8_EMIN: tl.constexpr,
 ):
-    """One program: all KV heads of one token."""
+    """One program: all KV heads of one token. FP8_MAX > 0: quantize into an fp8 cache."""
     tok = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
     if slot < 0:
@@ -40,6 +62,9 @@ def _write_kv_cache_kernel(
                 + offs_d[None, :] * stride_kd, mask=mask)
     v = tl.load(value_ptr + tok64 * stride_vt + offs_h[:, None] * stride_vh
                 + offs_d[None, :] * stride_vd, mask=mask)
+    if FP8_MAX > 0:  # x / scale, saturated (fp8 e4m3 has no infinity), rounded to nearest even
+        k = _fp8_grid(k, k_scale, FP8_MAX, FP8_MANT, FP8_EMIN)
+        v = _fp8_grid(v, v_scale, FP8_MAX, FP8_MANT, FP8_EMIN)
     tl.store(k_cache_ptr + blk * stride_kcb + off * stride_kct + offs_h[:, None] * stride_kch
              + offs_d[None, :] * stride_kcd, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + blk * stride_vcb + off * stride_vct + offs_h[:, None] * stride_vch
@@ -52,13 +77,16 @@ def write_kv_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Store new tokens' K and V into their slots, in place (Triton).
 
     key, value: ``[num_tokens, num_kv_heads, head_dim]``, any strides (e.g. views of a fused QKV
     projection); k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``;
     slot_mapping: ``[num_tokens]`` int64 (int32 accepted), slot = block_id * block_size + offset,
-    -1 = skip (padding). Values are cast to the cache dtype (round to nearest even on GPU).
+    -1 = skip (padding). Values are cast to the cache dtype (round to nearest even on GPU); into an
+    fp8 cache they are quantized, ``x / k_scale`` (``x / v_scale``) saturated (`kernels.fp8`).
     Slots must be distinct. Raises ValueError on inconsistent shapes or devices.
     """
     if key.dim() != 3 or key.shape != value.shape:
@@ -81,11 +109,20 @@ def write_kv_cache(
     if num_tokens == 0:
         return
     _write_kv_cache_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
+        key, value, k_cache, v_cache, slot_mapping, float(k_scale), float(v_scale),
         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
         NUM_KV_HEADS=num_kv_heads, KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=k_cache.shape[1], num_warps=4)
+        BLOCK_SIZE=k_cache.shape[1], num_warps=4, **_fp8_format(k_cache.dtype))
+
+
+def _fp8_format(dtype: torch.dtype) -> dict:
+    """The write kernel's fp8 constants: largest finite value, mantissa bits, smallest normal exponent."""
+    if not fp8.is_fp8(dtype):
+        return {"FP8_MAX": 0.0, "FP8_MANT": 0, "FP8_EMIN": 0}
+    info = torch.finfo(dtype)
+    return {"FP8_MAX": info.max, "FP8_MANT": {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}[dtype],
+            "FP8_EMIN": int(torch.log2(torch.tensor(info.tiny)).item())}
 
 
 @triton.jit
@@ -138,7 +175,7 @@ def copy_blocks(
         raise ValueError("caches must be [num_blocks, block_size, num_kv_heads, head_dim] with "
                          "each block contiguous")
     if first.dtype not in _TL_DTYPES:
-        raise ValueError(f"cache dtype {first.dtype} is not one of fp32, fp16, bf16")
+        raise ValueError(f"cache dtype {first.dtype} is not one of fp32, fp16, bf16, fp8 (e4m3, e5m2)")
     device = first.device
     if block_mapping.device.type == "cpu":
         aliased = bool(torch.isin(block_mapping[:, 1], block_mapping[:, 0]).any())

@@ -113,7 +113,7 @@ def _check_checkpoint(path: str, load_format: str, chat_template: str | None) ->
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    from pagedkv.common.config import EngineConfig
+    from pagedkv.common.config import KV_CACHE_DTYPES, EngineConfig
 
     d = EngineConfig()
     g = p.add_argument_group("model and engine")
@@ -175,6 +175,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="worker ranks the model is sharded over (Megatron-style: heads and MLP split, one "
                         "all-reduce after attention and one after the MLP per layer); must divide the attention "
                         "heads and intermediate_size, and divide or be a multiple of the KV heads")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
+                   help="KV pool element type: auto (the model's dtype) or fp8 (= fp8_e4m3) / fp8_e5m2: one byte "
+                        "per element with per-layer scales, 4x the blocks of float32 and 2x those of bfloat16 in "
+                        "the same memory")
+    g.add_argument("--k-scale", type=_float_in(0.0, lo_open=True), default=None, metavar="SCALE",
+                   help="fp8: the K scale of every layer (dequantized = stored x scale); default: the checkpoint's "
+                        "k_scale, else computed from the first prefill")
+    g.add_argument("--v-scale", type=_float_in(0.0, lo_open=True), default=None, metavar="SCALE",
+                   help="fp8: the V scale of every layer (see --k-scale)")
     g.add_argument("--worker-timeout", type=_float_in(0.0, lo_open=True), default=d.worker_timeout,
                    metavar="SECONDS", help="a worker that does not answer a step within this is declared failed")
     g.add_argument("--worker-address", default=None, metavar="ADDR",
@@ -201,6 +210,8 @@ def _engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         parser.error("--external-worker needs --worker-address (the address the worker will connect to)")
     if args.worker_address and not args.worker_address.startswith(("ipc://", "tcp://")):
         parser.error(f"--worker-address must start with ipc:// or tcp://, got {args.worker_address!r}")
+    if (args.k_scale or args.v_scale) and not args.kv_cache_dtype.startswith("fp8"):
+        parser.error("--k-scale/--v-scale need --kv-cache-dtype fp8, fp8_e4m3 or fp8_e5m2")
     positional = getattr(args, "model_tag", None)
     if positional is not None and args.model is not None and positional != args.model:
         parser.error(f"the model is given twice: {positional!r} and --model {args.model!r}")
@@ -227,7 +238,9 @@ def _engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
         enable_prefix_caching=args.enable_prefix_caching, prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         preemption_mode=args.preemption_mode, scheduling_policy=args.scheduling_policy,
-        otlp_traces_endpoint=args.otlp_traces_endpoint, tensor_parallel_size=args.tensor_parallel_size)
+        otlp_traces_endpoint=args.otlp_traces_endpoint, tensor_parallel_size=args.tensor_parallel_size,
+        kv_cache_dtype=args.kv_cache_dtype,
+        k_scale=args.k_scale, v_scale=args.v_scale)
 
 
 def _run(coro) -> int:
@@ -281,7 +294,7 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, sock: socket.so
             log.warning("model weights are RANDOM: outputs are noise", model=engine.model_config.name)
         log.info("serving", model=engine.model_config.name, path=engine.model_config.path,
                  random_weights=engine.random_weights, num_gpu_blocks=snap["num_gpu_blocks"],
-                 block_size=snap["block_size"], max_model_len=engine.max_model_len,
+                 block_size=snap["block_size"], kv_cache_dtype=snap["kv_cache_dtype"], max_model_len=engine.max_model_len,
                  url=f"http://{args.host}:{port}")
         await stop.wait()
         log.info("shutting down")

@@ -59,6 +59,8 @@ class Engine:
                            num_swapped=lambda: len(self.scheduler.swapped),
                            cpu_usage=lambda: self.kv.cpu_usage)
         self.advisor: Advisor | None = None  # set by `start`, once the worker reported its KV dtype
+        self.kv_cache_dtype: str | None = None  # the pool's element type and block size in bytes (worker's)
+        self.kv_bytes_per_block: int | None = None
         self.tracer: RequestTracer | None = None
         self.output = OutputProcessor(tokenizer, self.scheduler, self.max_model_len)
         self.step_hooks: list[Callable[[ScheduledStep], None]] = []  # called after each step's tokens are computed
@@ -110,18 +112,19 @@ class Engine:
             kv = kv_allocator(num_gpu_blocks, num_cpu_blocks, max_model_len)
         engine = cls(config, model_config, tokenizer, client, kv)
         engine.device = hello.device
+        engine.kv_cache_dtype, engine.kv_bytes_per_block = hello.kv_cache_dtype, hello.kv_bytes_per_block
         engine.scheduler.policy.kv_bytes_per_block = hello.kv_bytes_per_block  # the cost model's inputs
         if hello.swap_bandwidth:
             engine.scheduler.policy.swap_bandwidth = hello.swap_bandwidth
         engine.tracer = tracer
         engine.advisor = Advisor(Settings(
             max_num_seqs=config.max_num_seqs, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
-            block_size=config.block_size, max_model_len=engine.max_model_len, kv_cache_dtype=hello.dtype,
+            block_size=config.block_size, max_model_len=engine.max_model_len, kv_cache_dtype=hello.kv_cache_dtype,
             preemption_mode=config.preemption_mode, swap_space=config.swap_space))
         engine._task = asyncio.create_task(engine._loop(), name="pagedkv-engine-loop")
         engine._advice_task = asyncio.create_task(engine._advise(), name="pagedkv-advice")
         log.info("engine started", model=model_config.name, random_weights=engine.random_weights,
-                 device=hello.device, dtype=hello.dtype, world_size=config.tensor_parallel_size,
+                 device=hello.device, dtype=hello.dtype, kv_cache_dtype=hello.kv_cache_dtype, world_size=config.tensor_parallel_size,
                  block_size=config.block_size,
                  num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
                  kv_bytes_per_block=hello.kv_bytes_per_block, max_model_len=engine.max_model_len)
@@ -334,6 +337,7 @@ class Engine:
         """JSON-ready state of the block pool and every live request's block table."""
         snap = self.kv.snapshot()
         snap["world_size"] = self.config.tensor_parallel_size  # worker ranks; each holds every block, of its heads
+        snap["kv_cache_dtype"], snap["kv_bytes_per_block"] = self.kv_cache_dtype, self.kv_bytes_per_block
         snap["num_requests_swapped"] = len(self.scheduler.swapped)
         snap["swapped_requests"] = [
             {"id": r.request_id, "num_computed_tokens": r.num_computed_tokens,

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.common.config import ModelConfig
-from pagedkv.kernels import reference
+from pagedkv.kernels import fp8, reference
 from pagedkv.worker.parallel import TensorParallel
 
 
@@ -113,16 +113,27 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False, dtype=dtype)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False, dtype=dtype)
         self.scale = d ** -0.5
+        # fp8 KV cache: dequantized = stored x scale (`kernels.fp8`); None until the checkpoint, a
+        # flag or the first prefill sets it
+        self.k_scale: float | None = None
+        self.v_scale: float | None = None
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache):
         n = x.shape[0]
         q = apply_rope(self.q_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        self.kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        ks = vs = 1.0
+        if fp8.is_fp8(k_cache.dtype):
+            if self.k_scale is None:  # calibrate on the first prefill
+                self.k_scale = fp8.scale_for(k, k_cache.dtype)
+            if self.v_scale is None:
+                self.v_scale = fp8.scale_for(v, v_cache.dtype)
+            ks, vs = self.k_scale, self.v_scale
+        self.kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
         o = self.kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                          meta.query_start_loc, self.scale, None, meta.max_query_len,
-                                         meta.max_seq_len)
+                                         meta.max_seq_len, k_scale=ks, v_scale=vs)
         return self.tp.all_reduce(self.o_proj(o.view(n, self.num_heads * self.head_dim)))
 
 
@@ -187,6 +198,16 @@ class LlamaForCausalLM(nn.Module):
     def tie_weights(self) -> None:
         """Share the embedding matrix with the LM head (``tie_word_embeddings``)."""
         self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def kv_scales(self) -> list[tuple[float | None, float | None]]:
+        """Each layer's fp8 KV cache (k_scale, v_scale); None where not set yet."""
+        return [(layer.self_attn.k_scale, layer.self_attn.v_scale) for layer in self.model.layers]
+
+    @kv_scales.setter
+    def kv_scales(self, scales: list[tuple[float | None, float | None]]) -> None:
+        for layer, (k, v) in zip(self.model.layers, scales, strict=True):
+            layer.self_attn.k_scale, layer.self_attn.v_scale = k, v
 
     def forward(
         self,

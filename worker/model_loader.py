@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import glob
+import os
+import re
+
 import torch
 from safetensors import safe_open
 
@@ -9,6 +13,10 @@ from pagedkv.common.config import EngineConfig, ModelConfig, weight_files
 from pagedkv.kernels import select_backend
 from pagedkv.worker.model import LlamaForCausalLM
 from pagedkv.worker.parallel import TensorParallel
+
+# fp8 KV cache scales as vLLM's fp8 checkpoints name them: self_attn.k_scale / v_scale, or the
+# older self_attn.k_proj.output_scale / v_proj.output_scale (one value per layer)
+_KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.(?:(k|v)_scale|(?:(k|v)_proj\.output_scale))")
 
 DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
           "bfloat16": torch.bfloat16}
@@ -36,6 +44,8 @@ def load_model(model_config: ModelConfig, engine_config: EngineConfig, device: t
     Embeddings are tied when ``tie_word_embeddings`` is set or the checkpoint has no ``lm_head.weight``.
     A rank reads only its slices of the split tensors (safetensors ``get_slice``); dummy weights are
     drawn whole, one tensor at a time, and sliced, so every tensor-parallel size gets the same model.
+    An fp8 checkpoint's per-layer ``self_attn.k_scale``/``v_scale`` (or ``k_proj``/``v_proj.output_scale``)
+    become the attention layers' KV cache scales.
     Raises FileNotFoundError when the directory holds no safetensors file, ValueError for an
     unknown attention backend or load_format or a checkpoint tensor that is missing, unexpected or of the wrong shape.
     """
@@ -105,6 +115,10 @@ def _load_safetensors(model: LlamaForCausalLM, config: ModelConfig, full_shapes:
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
                 if name.endswith("rotary_emb.inv_freq"):  # recomputed from the config
+                    continue
+                if m := _KV_SCALE.fullmatch(name):  # an fp8 checkpoint's KV cache scales
+                    attn = model.model.layers[int(m.group(1))].self_attn
+                    setattr(attn, f"{m.group(2) or m.group(3)}_scale", float(f.get_tensor(name).float().reshape(-1)[0]))
                     continue
                 if name not in params:
                     raise ValueError(f"{file}: unexpected tensor {name!r} (not a Llama parameter this "

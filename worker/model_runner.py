@@ -13,9 +13,10 @@ import time
 import numpy as np
 import torch
 
-from pagedkv.common.config import EngineConfig, ModelConfig, resolve_max_model_len
+from pagedkv.common.config import EngineConfig, ModelConfig, resolve_kv_cache_dtype, resolve_max_model_len
 from pagedkv.common.protocol import CachedRequestData, NewRequestData, PromptLogprobs, SampledToken, StepPlan, StepResult
 from pagedkv.common.sampling_params import SamplingParams
+from pagedkv.kernels import fp8
 from pagedkv.worker.cache_engine import CacheEngine, kv_bytes_per_block
 from pagedkv.worker.cuda_graphs import DecodeGraphs
 from pagedkv.worker.input_batch import InputBatch
@@ -46,6 +47,11 @@ class ModelRunner:
         self.block_size = engine_config.block_size
         self.max_model_len = resolve_max_model_len(self.model_config, engine_config.max_model_len)
         self.model = load_model(full_config, engine_config, device, dtype, tp)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(engine_config.kv_cache_dtype, str(dtype).removeprefix("torch."))
+        self.kv_dtype = fp8.FP8_DTYPES.get(self.kv_cache_dtype, dtype)  # the pool's torch dtype
+        if engine_config.k_scale or engine_config.v_scale:  # given scales win over the checkpoint's
+            self.model.kv_scales = [(engine_config.k_scale or k, engine_config.v_scale or v)
+                                    for k, v in self.model.kv_scales]
         self.sampler = Sampler(engine_config.seed, device, self.model_config.eos_token_ids)
         self.cache: CacheEngine | None = None
         self.batch = InputBatch(engine_config.max_num_seqs, self.max_model_len, self.block_size,
@@ -53,20 +59,26 @@ class ModelRunner:
         self._pinned = device.type == "cuda"
         self._staging: dict[torch.dtype, torch.Tensor] = {}
         self.graphs: DecodeGraphs | None = None
+        # decode CUDA graphs (on CUDA unless --enforce-eager); tests set it on CPU for the emulated path
+        self.capture_graphs = device.type == "cuda" and not engine_config.enforce_eager
+
+    @property
+    def kv_scales_ready(self) -> bool:
+        """Whether every layer's fp8 scales are fixed (always, for other pools). A graph bakes the
+        scales in, so with scales from the first prefill the graphs are captured after it."""
+        return not fp8.is_fp8(self.kv_dtype) or all(k is not None and v is not None for k, v in self.model.kv_scales)
 
     @property
     def kv_bytes_per_block(self) -> int:
-        return kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
+        return kv_bytes_per_block(self.model_config, self.block_size, self.kv_dtype)
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         """Allocate the device KV pool and the host swap pool (sizes in blocks)."""
         self.cache = self.graphs = None  # free an old pool (and graphs holding it) before allocating a new one
         self.cache = CacheEngine(self.model_config, num_gpu_blocks, num_cpu_blocks, self.block_size,
-                                 self.dtype, self.device, self.model.kernels)
-        # under tensor parallelism decode steps run eagerly: NCCL all-reduces inside captured graphs
-        # have not been checked on a multi-GPU machine here, and a wrong replay would be silent
-        if self.device.type == "cuda" and not self.engine_config.enforce_eager and self.tp.world_size == 1:
-            self.init_decode_graphs()
+                                 self.kv_dtype, self.device, self.model.kernels)
+        if self.capture_graphs and self.kv_scales_ready:  # else after the first prefill (`execute`)
+            self.init_decode_graphs(capture=self.device.type == "cuda")
 
     @torch.inference_mode()
     def init_decode_graphs(self, capture: bool = True) -> None:
@@ -87,7 +99,9 @@ class ModelRunner:
         """
         n = max(1, min(self.max_model_len - 1, 4096))
         nb = -(-(n + 1) // self.block_size)
-        cache = CacheEngine(self.model_config, nb + 1, 0, self.block_size, self.dtype, self.device, self.model.kernels)
+        cache = CacheEngine(self.model_config, nb + 1, 0, self.block_size, self.kv_dtype, self.device,
+                            self.model.kernels)
+        scales = self.model.kv_scales  # warm-up's dummy tokens must not calibrate the fp8 scales
         greedy = SamplingParams(temperature=0.0)
         try:
             self._execute(StepPlan(-2, new_requests=[NewRequestData("warm-up", [0] * n, n, list(range(nb)), 0, n,
@@ -96,6 +110,7 @@ class ModelRunner:
             cache.copy([(0, nb), (nb, 0)])
         finally:
             self.batch.remove("warm-up")
+            self.model.kv_scales = scales
 
     @torch.inference_mode()
     def profile_run(self) -> int:
@@ -110,8 +125,9 @@ class ModelRunner:
         total, max_len = cfg.max_num_batched_tokens, self.max_model_len
         lens = [min(max_len, total - start) for start in range(0, total, max_len)]
         nblocks = [-(-n // self.block_size) for n in lens]
-        cache = CacheEngine(self.model_config, sum(nblocks), 0, self.block_size, self.dtype, self.device,
+        cache = CacheEngine(self.model_config, sum(nblocks), 0, self.block_size, self.kv_dtype, self.device,
                             self.model.kernels)
+        scales = self.model.kv_scales  # the profile's dummy tokens must not calibrate the fp8 scales
         params = SamplingParams(top_p=0.9, top_k=50, logprobs=cfg.max_logprobs)
         news, first = [], 0
         for i, (n, b) in enumerate(zip(lens, nblocks)):
@@ -122,6 +138,7 @@ class ModelRunner:
         finally:
             for new in news:
                 self.batch.remove(new.request_id)
+            self.model.kv_scales = scales
         rows, vocab = cfg.max_num_seqs, self.model_config.vocab_size
         mixed = [SamplingParams(top_p=0.9, top_k=50, min_p=0.05, repetition_penalty=1.1, presence_penalty=0.5,
                                 frequency_penalty=0.5, logprobs=cfg.max_logprobs, seed=i if i % 2 else None)
@@ -145,8 +162,11 @@ class ModelRunner:
             raise RuntimeError("step plan before InitCache: the KV cache is not allocated")
         start = time.perf_counter()
         sampled, prompt = self._execute(plan, self.cache)
-        return StepResult(step_id=plan.step_id, sampled=sampled, prompt_logprobs=prompt,
-                          forward_seconds=time.perf_counter() - start)
+        result = StepResult(step_id=plan.step_id, sampled=sampled, prompt_logprobs=prompt,
+                            forward_seconds=time.perf_counter() - start)
+        if self.capture_graphs and self.graphs is None and self.kv_scales_ready:  # fp8: just calibrated
+            self.init_decode_graphs(capture=self.device.type == "cuda")
+        return result
 
     def _execute(self, plan: StepPlan, cache: CacheEngine) -> tuple[list[SampledToken], list[PromptLogprobs]]:
         batch = self.batch

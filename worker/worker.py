@@ -115,8 +115,10 @@ def load(msg: LoadModel, rank: int = 0, world_size: int = 1, init_method: str | 
         runner.warm_up()  # compile the Triton kernels now, not at the first request that needs one
     hello = WorkerHello(rank=rank, device=str(device), dtype=str(dtype).removeprefix("torch."),
                         kv_bytes_per_block=runner.kv_bytes_per_block, max_num_gpu_blocks=num_blocks,
+                        kv_cache_dtype=runner.kv_cache_dtype,
                         swap_bandwidth=measure_swap_bandwidth(
-                            device, (cfg.block_size, shard.num_key_value_heads, shard.head_dim), dtype))
+                            device, (cfg.block_size, shard.num_key_value_heads, shard.head_dim),
+                            runner.kv_dtype))
     return runner, hello
 
 

@@ -1,5 +1,5 @@
 """The fp8 KV cache (``--kv-cache-dtype fp8``): quantizing writes, attention that dequantizes inside
-the kernel (CPU reference and Triton, interpreted), 8-bit block copies and swaps, the scales (given,
+the kernel (the CPU reference here; Triton, interpreted, in tests/test_kernels.py), 8-bit block copies and swaps, the scales (given,
 from the checkpoint, from the first prefill), and the pool's block count in the same memory.
 
 The oracle is dequantize-then-attend: the fp8 cache turned back into float32 (x scale) and given
@@ -9,74 +9,19 @@ to the per-sequence reference attention, which knows nothing of fp8.
 from __future__ import annotations
 
 import asyncio
-import os
-import random
-import sys
 
 import pytest
 import torch
 from conftest import GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS, assert_all_blocks_free, collect
+from fp8_batches import dequantize_then_attend, fp8_batch
 from safetensors.torch import load_file, save_file
 
 from pagedkv.common.config import EngineConfig
 from pagedkv.common.sampling_params import SamplingParams
 from pagedkv.kernels import fp8, reference
 
-_SAVED_INTERPRET = os.environ.get("TRITON_INTERPRET")
-if "triton" in sys.modules and not os.environ.get("TRITON_INTERPRET"):
-    pytest.fail("triton was imported before TRITON_INTERPRET=1 was set; run this module in its own process",
-                pytrace=False)
-os.environ["TRITON_INTERPRET"] = "1"
-try:
-    triton_kernels = pytest.importorskip("pagedkv.kernels.triton_kernels")
-finally:
-    if _SAVED_INTERPRET is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _SAVED_INTERPRET
-
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 CPU = torch.device("cpu")
-
-
-@pytest.fixture
-def interpret():
-    os.environ["TRITON_INTERPRET"] = "1"
-    yield
-    if _SAVED_INTERPRET is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _SAVED_INTERPRET
-
-
-def fp8_batch(dtype, q_lens, seq_lens, num_heads=8, num_kv_heads=2, head_dim=32, block_size=16, seed=0):
-    """Random q, K and V written into scattered fp8 blocks through the reference write; returns the
-    paged_attention arguments, the scales and the float32 K/V of every slot."""
-    g = torch.Generator().manual_seed(seed)
-    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
-    order = list(range(num_blocks))
-    random.Random(seed).shuffle(order)
-    tables = torch.zeros(len(seq_lens), max(-(-n // block_size) for n in seq_lens), dtype=torch.int32)
-    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
-    v_cache = torch.zeros_like(k_cache)
-    k = torch.randn(sum(seq_lens), num_kv_heads, head_dim, generator=g) * 3
-    v = torch.randn(sum(seq_lens), num_kv_heads, head_dim, generator=g)
-    slots, first = [], 0
-    for i, n in enumerate(seq_lens):
-        blocks = [order.pop() for _ in range(-(-n // block_size))]
-        tables[i, :len(blocks)] = torch.tensor(blocks)
-        slots += [blocks[t // block_size] * block_size + t % block_size for t in range(n)]
-    k_scale, v_scale = fp8.scale_for(k, dtype), fp8.scale_for(v, dtype)
-    reference.write_kv_cache(k, v, k_cache, v_cache, torch.tensor(slots), k_scale, v_scale)
-    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=g)
-    qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
-    args = (q, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32), qsl, head_dim ** -0.5)
-    return args, k_scale, v_scale
-
-
-def dequantize_then_attend(args, k_scale, v_scale):
-    q, k_cache, v_cache, *rest = args
-    return reference.paged_attention(q, k_cache.float() * k_scale, v_cache.float() * v_scale, *rest)
 
 
 # ---- quantization -------------------------------------------------------------------------------
@@ -102,21 +47,6 @@ def test_first_prefill_scale_maps_the_largest_value_to_half_the_range():
     assert fp8.scale_for(torch.zeros(3), torch.float8_e4m3fn) == 1.0
 
 
-@pytest.mark.parametrize("dtype", FP8)
-def test_triton_write_stores_exactly_what_the_reference_stores(dtype, interpret):
-    g = torch.Generator().manual_seed(3)
-    key, value = torch.randn(10, 2, 8, generator=g) * 5, torch.randn(10, 2, 8, generator=g)
-    key[0, 0, :4] = torch.tensor([1e9, -1e9, 0.0, 6.4])  # saturation, zero, a tie at 128 (6.4 / 0.05)
-    value[1, 1, :3] = torch.tensor([1e-6, -3e-5, 2.5e-4])  # subnormals at scale 0.01
-    slots = torch.tensor([3, 9, -1, 0, 31, 17, 4, 22, -1, 8])
-    caches = [torch.zeros(4, 8, 2, 8, dtype=dtype) for _ in range(4)]
-    reference.write_kv_cache(key, value, caches[0], caches[1], slots, 0.05, 0.01)
-    triton_kernels.write_kv_cache(key, value, caches[2], caches[3], slots, 0.05, 0.01)
-    assert torch.equal(caches[0].view(torch.uint8), caches[2].view(torch.uint8))
-    assert torch.equal(caches[1].view(torch.uint8), caches[3].view(torch.uint8))
-    assert caches[0].float().count_nonzero() > 100
-
-
 # ---- attention dequantizes inside the kernel ----------------------------------------------------
 
 BATCHES = [([1, 1, 1], [1, 17, 40]),  # decode
@@ -135,27 +65,10 @@ def test_cpu_attention_on_fp8_equals_dequantize_then_attend(dtype, q_lens, seq_l
     torch.testing.assert_close(kernels.paged_attention(*args, k_scale=ks, v_scale=vs), want, atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("dtype", FP8)
-@pytest.mark.parametrize("q_lens, seq_lens", BATCHES)
-def test_triton_attention_on_fp8_equals_dequantize_then_attend(dtype, q_lens, seq_lens, interpret):
-    args, ks, vs = fp8_batch(dtype, q_lens, seq_lens, seed=len(seq_lens))
-    want = dequantize_then_attend(args, ks, vs)
-    got = triton_kernels.paged_attention(*args, k_scale=ks, v_scale=vs)
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
-
-
-@pytest.mark.parametrize("dtype", FP8)
-def test_scales_matter_a_wrong_scale_is_caught(dtype, interpret):
-    args, ks, vs = fp8_batch(dtype, [1, 4], [9, 20])
-    want = dequantize_then_attend(args, ks, vs)
-    assert not torch.allclose(triton_kernels.paged_attention(*args, k_scale=ks, v_scale=2 * vs), want, atol=1e-3)
-    assert not torch.allclose(reference.paged_attention(*args, k_scale=2 * ks, v_scale=vs), want, atol=1e-3)
-
-
 # ---- blocks move as 8-bit blocks ---------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", FP8)
-def test_copy_and_swap_move_fp8_blocks_byte_for_byte(dtype, interpret):
+def test_copy_and_swap_move_fp8_blocks_byte_for_byte(dtype):
     from pagedkv.worker.cache_engine import CacheEngine
     from pagedkv.common.config import ModelConfig
 
@@ -166,8 +79,7 @@ def test_copy_and_swap_move_fp8_blocks_byte_for_byte(dtype, interpret):
         t.copy_((torch.randn(t.shape, generator=g) * 50).to(dtype))
     before = [t.clone() for t in cache.k_caches + cache.v_caches]
     assert cache.k_caches[0].element_size() == 1
-    cache.copy([(1, 4)])  # the reference copy on CPU
-    triton_kernels.copy_blocks(cache.k_caches, cache.v_caches, torch.tensor([[2, 5]]))
+    cache.copy([(1, 4), (2, 5)])  # the reference copy on CPU (Triton's: tests/test_kernels.py)
     cache.swap_out([(0, 2), (3, 0)])
     for t in cache.k_caches + cache.v_caches:
         t[0].zero_()

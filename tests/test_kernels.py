@@ -21,6 +21,8 @@ import sys
 import pytest
 import torch
 
+from fp8_batches import dequantize_then_attend, fp8_batch
+
 from pagedkv.kernels import reference
 
 _SAVED_INTERPRET = os.environ.get("TRITON_INTERPRET")
@@ -315,3 +317,52 @@ def test_copy_blocks_with_empty_mapping_changes_nothing():
     before = (k[0].clone(), v[0].clone())
     triton_kernels.copy_blocks(k, v, torch.empty(0, 2, dtype=torch.int64))
     assert torch.equal(k[0], before[0]) and torch.equal(v[0], before[1])
+
+
+# ---- fp8 caches (`kernels.fp8`): quantizing writes, attention that dequantizes in the kernel ----
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+FP8_BATCHES = [([1, 1, 1], [1, 17, 40]),  # decode
+               ([5, 1, 16], [5, 33, 50]),  # prefill, decode and extend in one batch
+               ([1], [300])]  # long decode: split into partitions
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_triton_write_stores_exactly_what_the_reference_stores(dtype):
+    g = torch.Generator().manual_seed(3)
+    key, value = torch.randn(10, 2, 8, generator=g) * 5, torch.randn(10, 2, 8, generator=g)
+    key[0, 0, :4] = torch.tensor([1e9, -1e9, 0.0, 6.4])  # saturation, zero, a tie at 128 (6.4 / 0.05)
+    value[1, 1, :3] = torch.tensor([1e-6, -3e-5, 2.5e-4])  # subnormals at scale 0.01
+    slots = torch.tensor([3, 9, -1, 0, 31, 17, 4, 22, -1, 8])
+    caches = [torch.zeros(4, 8, 2, 8, dtype=dtype) for _ in range(4)]
+    reference.write_kv_cache(key, value, caches[0], caches[1], slots, 0.05, 0.01)
+    triton_kernels.write_kv_cache(key, value, caches[2], caches[3], slots, 0.05, 0.01)
+    assert torch.equal(caches[0].view(torch.uint8), caches[2].view(torch.uint8))
+    assert torch.equal(caches[1].view(torch.uint8), caches[3].view(torch.uint8))
+    assert caches[0].float().count_nonzero() > 100
+
+
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("q_lens, seq_lens", FP8_BATCHES)
+def test_triton_attention_on_fp8_equals_dequantize_then_attend(dtype, q_lens, seq_lens):
+    args, ks, vs = fp8_batch(dtype, q_lens, seq_lens, seed=len(seq_lens))
+    want = dequantize_then_attend(args, ks, vs)
+    got = triton_kernels.paged_attention(*args, k_scale=ks, v_scale=vs)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_scales_matter_a_wrong_scale_is_caught(dtype):
+    args, ks, vs = fp8_batch(dtype, [1, 4], [9, 20])
+    want = dequantize_then_attend(args, ks, vs)
+    assert not torch.allclose(triton_kernels.paged_attention(*args, k_scale=ks, v_scale=2 * vs), want, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_copy_blocks_moves_fp8_blocks_byte_for_byte(dtype):
+    caches = [(torch.randn(5, 4, 2, 8) * 40).to(dtype) for _ in range(4)]
+    want = [c.clone() for c in caches]
+    triton_kernels.copy_blocks(caches[:2], caches[2:], torch.tensor([[0, 3], [4, 1]]))
+    for c, w in zip(caches, want):
+        w[3], w[1] = w[0].clone(), w[4].clone()
+        assert torch.equal(c.view(torch.uint8), w.view(torch.uint8))

@@ -185,3 +185,27 @@ async def test_fp8_engine_keeps_the_golden_opening_and_returns_every_block(start
     assert agree >= 10, (kv_cache_dtype, agree)  # the story opens as the float32 cache's does
     assert engine.scheduler.num_preemptions > 0
     assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--k-scale", "0.1", "x"], "--k-scale/--v-scale need --kv-cache-dtype fp8"),
+    (["serve", "--kv-cache-dtype", "int8"], "argument --kv-cache-dtype: invalid choice: 'int8'"),
+    (["bench", "--kv-cache-dtype", "fp8", "--v-scale", "-1"], "argument --v-scale: must be > 0.0"),
+])
+def test_bad_kv_cache_flags_are_errors_naming_the_flag(argv, message, capsys):
+    from pagedkv.scheduler.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_capacity_plans_fp8_as_four_times_float32_tokens(stories260k):
+    from pagedkv.common.capacity import plan
+    from pagedkv.common.config import ModelConfig
+
+    model = ModelConfig.load(str(stories260k))
+    f32 = plan(model, 1.0, activation_reserve_gib=0, kv_cache_dtype="float32")
+    for name in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+        q = plan(model, 1.0, activation_reserve_gib=0, kv_cache_dtype=name)
+        assert q.kv_bytes_per_token * 4 == f32.kv_bytes_per_token == 1280 and q.num_blocks >= 3.9 * f32.num_blocks

@@ -21,7 +21,7 @@ def fp8_batch(dtype, q_lens, seq_lens, num_heads=8, num_kv_heads=2, head_dim=32,
     v_cache = torch.zeros_like(k_cache)
     k = torch.randn(sum(seq_lens), num_kv_heads, head_dim, generator=g) * 3
     v = torch.randn(sum(seq_lens), num_kv_heads, head_dim, generator=g)
-    slots, first = [], 0
+    slots = []
     for i, n in enumerate(seq_lens):
         blocks = [order.pop() for _ in range(-(-n // block_size))]
         tables[i, :len(blocks)] = torch.tensor(blocks)

@@ -32,7 +32,7 @@ import torch
 
 from pagedkv.common.config import EngineConfig, ModelConfig
 from pagedkv.kernels import fp8
-from pagedkv.scheduler.bench import auto_token_scale, build_requests, load_trace, resolve_trace
+from pagedkv.bench.replay import auto_token_scale, build_requests, load_trace, resolve_trace
 from pagedkv.worker.cache_engine import CacheEngine
 from pagedkv.worker.model import AttentionMetadata
 from pagedkv.worker.model_loader import load_model

@@ -111,6 +111,8 @@ class Chromium:
         self.process = subprocess.Popen(
             [self.binary, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
              "--no-first-run", "--no-default-browser-check", "--disable-extensions", "--hide-scrollbars",
+             # no calls home: the CI machine's network is closed and each refused call costs time
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
              "--force-device-scale-factor=1", f"--window-size={self.width},{self.height}",
              "--remote-debugging-port=0", "--remote-debugging-address=127.0.0.1",
              f"--user-data-dir={self.profile_dir}", "about:blank"],

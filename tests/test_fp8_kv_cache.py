@@ -209,8 +209,10 @@ async def test_fp8_pool_holds_four_times_the_blocks_of_fp32_in_the_same_memory(s
     assert e4m3.advisor.settings.kv_cache_dtype == "fp8_e4m3"
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
-async def test_fp8_engine_keeps_the_golden_opening_and_returns_every_block(start, kv_cache_dtype):
+async def test_fp8_engine_keeps_the_golden_opening_and_returns_every_block(start):
+    # E4M3 only: e5m2 runs the same code with other constants (its writes, copies, swaps and
+    # attention are tested above and in tests/test_kernels.py); one engine less in CI
+    kv_cache_dtype = "fp8_e4m3"
     engine = await start(device="cpu", num_gpu_blocks=16, kv_cache_dtype=kv_cache_dtype,
                          preemption_mode="swap", enable_prefix_caching=False)
     params = SamplingParams(temperature=0, max_tokens=60)

@@ -95,7 +95,8 @@ async def test_every_dashboard_query_returns_data_and_usage_equals_kv_cache(stor
 
             start = time.time()
             clients = [asyncio.create_task(client(i)) for i in range(8)]
-            while engine.scheduler.num_preemptions < 5 or time.time() - start < 10:
+            # 6 s of load: every rate() window (4 s) then holds several scrapes
+            while engine.scheduler.num_preemptions < 5 or time.time() - start < 6:
                 await asyncio.sleep(0.5)
             await asyncio.sleep(2 * SCRAPE_S)  # the scrapes after the load's last events
             end = time.time()

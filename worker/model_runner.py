@@ -59,8 +59,10 @@ class ModelRunner:
         self._pinned = device.type == "cuda"
         self._staging: dict[torch.dtype, torch.Tensor] = {}
         self.graphs: DecodeGraphs | None = None
-        # decode CUDA graphs (on CUDA unless --enforce-eager); tests set it on CPU for the emulated path
-        self.capture_graphs = device.type == "cuda" and not engine_config.enforce_eager
+        # decode CUDA graphs (on CUDA unless --enforce-eager); tests set it on CPU for the emulated path.
+        # Under tensor parallelism decode steps run eagerly: NCCL all-reduces inside captured graphs
+        # have not been checked on a multi-GPU machine here, and a wrong replay would be silent
+        self.capture_graphs = device.type == "cuda" and not engine_config.enforce_eager and tp.world_size == 1
 
     @property
     def kv_scales_ready(self) -> bool:

@@ -78,12 +78,13 @@ class Engine:
 
         kv_allocator(num_gpu_blocks, num_cpu_blocks, max_model_len): the KV allocator to schedule
         with (`scheduler.KVAllocator`); default the paged `KVCacheManager`. Benchmarks plug their
-        baselines in here. Raises FileNotFoundError/ValueError for a bad model directory,
-        WorkerFailed when the worker cannot start or load the model.
+        baselines in here. Raises FileNotFoundError/ValueError for a bad model directory or a
+        tensor_parallel_size the model cannot be split by (`ModelConfig.shard`), WorkerFailed when the worker cannot start or load the model.
         """
         # everything that can be checked is checked before a worker starts
         model_config = ModelConfig.load(config.model)
         resolve_max_model_len(model_config, config.max_model_len)
+        model_config.shard(config.tensor_parallel_size)  # ranks that cannot split the model never start
         if model_config.path is not None and config.load_format == "auto":
             weight_files(model_config.path)
         tokenizer = Tokenizer.load(model_config, config.chat_template)

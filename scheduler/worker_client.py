@@ -102,8 +102,9 @@ class WorkerClient:
         by_rank: dict[int, bytes] = {}
         deadline = time.monotonic() + (register_timeout if not self.spawn else start_timeout)
         while len(by_rank) < n:
+            missing = [r for r in range(n) if r not in by_rank]
             identity, msg = await self._recv_any(deadline, register_timeout if not self.spawn else start_timeout,
-                                                 f"{n - len(by_rank)} rank(s) to register")
+                                                 f"rank {missing[0]}" if len(missing) == 1 else f"ranks {missing}")
             if not isinstance(msg, protocol.Register):
                 raise WorkerFailed(f"expected Register from the worker, got {type(msg).__name__}")
             if msg.protocol_version != protocol.PROTOCOL_VERSION:

@@ -10,22 +10,19 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import socket
-import subprocess
-import sys
-import time
 
 import pytest
-import pytest_asyncio
 import torch
 import torch.multiprocessing as mp
-from conftest import GOLDEN_COMPLETION, GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS, assert_all_blocks_free, collect, metric
+import zmq
+import zmq.asyncio
+from conftest import GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS
 from safetensors import safe_open
 
+from pagedkv.common import protocol
 from pagedkv.common.config import EMBEDDED_HF_CONFIG, EngineConfig, ModelConfig
-from pagedkv.common.sampling_params import SamplingParams
-from pagedkv.scheduler.engine import Engine
+from pagedkv.scheduler.worker_client import WorkerClient, WorkerFailed
 from pagedkv.worker.model_loader import load_model, shard_of
 from pagedkv.worker.parallel import TensorParallel
 from tp_ranks import logits_rank, step_logits
@@ -153,6 +150,13 @@ def test_a_tensor_parallel_size_the_model_cannot_split_is_a_cli_error_naming_the
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_the_offline_api_refuses_a_tensor_parallel_size_the_model_cannot_split_before_any_rank_starts(stories260k):
+    from pagedkv import LLM
+
+    with pytest.raises(ValueError, match="^tensor parallel size 3 does not divide the model's 8 attention heads$"):
+        LLM(model=str(stories260k), tensor_parallel_size=3)
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--rank", "2", "--world-size", "2", "--dist-init-method", "tcp://h:1"], "--rank must be between 0 and"),
     (["--rank", "1", "--world-size", "2"], "--dist-init-method tcp://HOST:PORT (where rank 0 listens) is needed"),
@@ -177,3 +181,116 @@ def test_worker_rank_flags_default_to_the_torchrun_environment(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", "29500")
     args = build_parser().parse_args(["worker", "--connect", "tcp://cp:5555"])
     assert (args.rank, args.world_size, args.dist_init_method) == (3, 4, "env://")
+
+
+# ---- the control plane's side of a group, against fake ranks (no torch) ---------------------------
+
+class FakeRank:
+    """A DEALER socket speaking the worker protocol by hand, as one rank of a group."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+
+    async def send(self, msg) -> None:
+        await self.sock.send(protocol.encode(msg))
+
+    async def recv(self):
+        assert await self.sock.poll(10_000), f"rank {self.rank} got nothing"
+        return protocol.decode_to_worker(await self.sock.recv())
+
+    async def register(self) -> None:
+        await self.send(protocol.Register(protocol.PROTOCOL_VERSION, os.getpid(), self.rank, self.world_size))
+
+
+async def start_group(client: WorkerClient, hellos: dict[int, protocol.WorkerHello], register_order: list[int]):
+    """Start ``client`` against fake ranks registering in ``register_order``; return (its hello or error, ranks)."""
+    ctx = zmq.asyncio.Context.instance()
+    ranks = {r: FakeRank(ctx, client.address, r, 2) for r in register_order}
+    started = asyncio.create_task(client.start(register_timeout=10))
+    for r in register_order:
+        await ranks[r].register()
+    loads = {r: await ranks[r].recv() for r in register_order}
+    assert {r: (m.rank, m.world_size) for r, m in loads.items()} == {0: (0, 2), 1: (1, 2)}
+    for r, hello in hellos.items():
+        await ranks[r].send(hello)
+    try:
+        return await started, ranks
+    except WorkerFailed as e:
+        return e, ranks
+
+
+def hello(rank: int, blocks: int, bandwidth: float | None, dtype: str = "float32") -> protocol.WorkerHello:
+    return protocol.WorkerHello(rank=rank, device=f"cuda:{rank}", dtype=dtype, kv_bytes_per_block=10240,
+                                max_num_gpu_blocks=blocks, swap_bandwidth=bandwidth)
+
+
+async def test_the_group_pool_is_the_smallest_ranks_and_each_plan_reaches_both_ranks(tmp_path):
+    client = WorkerClient(EngineConfig(tensor_parallel_size=2, worker_timeout=10), f"ipc://{tmp_path}/w.sock",
+                          spawn=False)
+    try:
+        got, ranks = await start_group(client, {1: hello(1, 700, 2e9), 0: hello(0, 900, 5e9)}, [1, 0])
+        assert (got.max_num_gpu_blocks, got.swap_bandwidth) == (700, 2e9)  # every rank must hold every block
+        init = asyncio.create_task(client.init_cache(700, 8))
+        for r in (0, 1):
+            assert await ranks[r].recv() == protocol.InitCache(700, 8)
+            await ranks[r].send(protocol.WorkerReady(rank=r))
+        await init
+        plan = protocol.StepPlan(step_id=5)
+        step = asyncio.create_task(client.step(plan))
+        assert [await ranks[r].recv() for r in (0, 1)] == [plan, plan]
+        await ranks[1].send(protocol.StepResult(step_id=5, sampled=[protocol.SampledToken("a", 7)]))
+        await ranks[0].send(protocol.StepResult(step_id=5, sampled=[protocol.SampledToken("a", 7, -0.5)]))
+        assert (await step).sampled == [protocol.SampledToken("a", 7, -0.5)]  # rank 0's, with its logprob
+
+        step = asyncio.create_task(client.step(protocol.StepPlan(step_id=6)))
+        for r in (0, 1):
+            await ranks[r].recv()
+            await ranks[r].send(protocol.StepResult(step_id=6, sampled=[protocol.SampledToken("a", 8 + r)]))
+        with pytest.raises(WorkerFailed, match="worker rank 1 sampled other tokens than rank 0 in step 6"):
+            await step
+    finally:
+        await client.close()
+
+
+async def test_ranks_that_disagree_on_dtype_fail_the_start(tmp_path):
+    client = WorkerClient(EngineConfig(tensor_parallel_size=2, worker_timeout=10), f"ipc://{tmp_path}/w.sock",
+                          spawn=False)
+    try:
+        got, _ = await start_group(client, {0: hello(0, 900, None), 1: hello(1, 900, None, dtype="bfloat16")}, [0, 1])
+        assert isinstance(got, WorkerFailed)
+        assert str(got).startswith("ranks disagree on dtype or KV block size: rank 0 cuda:0 float32 10240 B, "
+                                   "rank 1 cuda:1 bfloat16 10240 B")
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("second", [(0, 2), (1, 4), (2, 2)])  # rank 0 again, another world size, no such rank
+async def test_a_rank_that_does_not_complete_0_to_n_minus_1_once_each_is_refused(tmp_path, second):
+    client = WorkerClient(EngineConfig(tensor_parallel_size=2, worker_timeout=10), f"ipc://{tmp_path}/w.sock",
+                          spawn=False)
+    ctx = zmq.asyncio.Context.instance()
+    try:
+        started = asyncio.create_task(client.start(register_timeout=10))
+        ranks = [FakeRank(ctx, client.address, 0, 2), FakeRank(ctx, client.address, *second)]
+        for rank in ranks:
+            await rank.register()
+        with pytest.raises(WorkerFailed, match=rf"a worker registered as rank {second[0]} of {second[1]}; this "
+                                               r"control plane needs ranks 0\.\.1 of 2 once each \(--tensor-parallel-size 2\)"):
+            await started
+    finally:
+        await client.close()
+
+
+async def test_a_rank_that_never_registers_is_named_at_the_deadline(tmp_path):
+    client = WorkerClient(EngineConfig(tensor_parallel_size=3, worker_timeout=10), f"ipc://{tmp_path}/w.sock",
+                          spawn=False)
+    try:
+        rank1 = FakeRank(zmq.asyncio.Context.instance(), client.address, 1, 3)
+        await rank1.register()
+        with pytest.raises(WorkerFailed, match=r"^worker ranks \[0, 2\] did not answer within 1 s"):
+            await client.start(register_timeout=1)
+    finally:
+        await client.close()

@@ -212,8 +212,11 @@ class EngineConfig(msgspec.Struct):
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"  # sha256 | xxhash
     max_n: int = 16
+    max_choices: int = 128  # n x prompts in one API request (OpenAI's bound on n)
+    max_stop: int = 4  # stop strings per request (OpenAI's bound)
     max_logprobs: int = 20
     worker_timeout: float = 120.0
+    max_worker_restarts: int = 5  # consecutive restarts of a failed worker before the engine gives up (0: none)
     attention_backend: str | None = None  # None: triton on CUDA, torch on CPU
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (they are captured on CUDA by default)
     preemption_mode: str = "auto"  # recompute | swap | auto (cheaper per victim; scheduler.preemption)

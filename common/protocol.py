@@ -24,16 +24,22 @@ recompute with ``num_computed_tokens`` 0, after a swap-in with its computed toke
 
 Block copies and swaps run before the forward pass, in the order swap-out, swap-in, copy.
 No pickles: every message is a tagged msgspec Struct, and a protocol version guards upgrades.
+Every frame carries an HMAC-SHA256 under a secret both ends share (`Channel`); a frame without a
+valid one is dropped and logged, never decoded.
 """
 
 from __future__ import annotations
+
+import hashlib
+import hmac
+import os
 
 import msgspec
 
 from pagedkv.common.config import EngineConfig
 from pagedkv.common.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 3  # 2: prompt logprobs; logit_bias, min_tokens in SamplingParams; 3: Register carries rank and world_size (tensor parallelism)
+PROTOCOL_VERSION = 4  # 2: prompt logprobs; logit_bias, min_tokens; 3: Register carries rank and world_size; 4: frames are HMAC-sealed
 
 
 class NewRequestData(msgspec.Struct, array_like=True):
@@ -211,3 +217,71 @@ def decode_to_worker(data: bytes) -> ToWorker:
 def decode_from_worker(data: bytes) -> FromWorker:
     """Parse a worker message. Raises msgspec.ValidationError/DecodeError on bad input."""
     return _from_worker.decode(data)
+
+
+# ---- the authenticated channel ----------------------------------------------------------------
+
+SECRET_ENV = "PAGEDKV_WORKER_SECRET"  # the shared secret, for workers and control planes started apart
+MAC_BYTES = 32
+_TO_WORKER, _FROM_WORKER = b"pagedkv control->worker\0", b"pagedkv worker->control\0"
+
+
+class Unauthenticated(ValueError):
+    """A frame that does not carry a valid MAC under this channel's secret; it was not decoded."""
+
+
+def load_secret(path: str | None = None) -> bytes | None:
+    """The worker-channel secret: the file at ``path`` (stripped), else ``$PAGEDKV_WORKER_SECRET``, else None.
+
+    Raises OSError when the file cannot be read, ValueError when the secret is empty or shorter
+    than 16 bytes (too easy to guess).
+    """
+    if path is not None:
+        with open(path, "rb") as f:
+            secret = f.read().strip()
+        where = path
+    elif os.environ.get(SECRET_ENV):
+        secret, where = os.environ[SECRET_ENV].strip().encode(), SECRET_ENV
+    else:
+        return None
+    if len(secret) < 16:
+        raise ValueError(f"the worker secret in {where} must be at least 16 bytes (e.g. `openssl rand -hex 32`)")
+    return secret
+
+
+class Channel:
+    """Both ends of one control-plane <-> worker link seal every message with HMAC-SHA256.
+
+    A frame is ``HMAC-SHA256(key, direction || payload) || payload``: 32 bytes of MAC, then the
+    MessagePack payload. The key is derived from the shared secret; the direction label keeps a
+    message of one side from being reflected back as the other's. A frame whose MAC does not match
+    raises `Unauthenticated` before a byte of it is decoded. (RFC 2104; it authenticates, it does
+    not encrypt: run tcp:// links on a private network.)
+    """
+
+    def __init__(self, secret: bytes):
+        self._key = hashlib.sha256(b"pagedkv worker channel v1\0" + secret).digest()
+
+    def _mac(self, direction: bytes, payload: bytes) -> bytes:
+        return hmac.new(self._key, direction + payload, hashlib.sha256).digest()
+
+    def _open(self, direction: bytes, frame: bytes) -> bytes:
+        if len(frame) < MAC_BYTES or not hmac.compare_digest(frame[:MAC_BYTES], self._mac(direction, frame[MAC_BYTES:])):
+            raise Unauthenticated(f"dropped a {len(frame)}-byte frame without a valid MAC")
+        return frame[MAC_BYTES:]
+
+    def seal_to_worker(self, msg: ToWorker) -> bytes:
+        payload = encode(msg)
+        return self._mac(_TO_WORKER, payload) + payload
+
+    def seal_from_worker(self, msg: FromWorker) -> bytes:
+        payload = encode(msg)
+        return self._mac(_FROM_WORKER, payload) + payload
+
+    def open_to_worker(self, frame: bytes) -> ToWorker:
+        """Verify, then decode a control-plane message. Raises Unauthenticated, msgspec errors."""
+        return decode_to_worker(self._open(_TO_WORKER, frame))
+
+    def open_from_worker(self, frame: bytes) -> FromWorker:
+        """Verify, then decode a worker message. Raises Unauthenticated, msgspec errors."""
+        return decode_from_worker(self._open(_FROM_WORKER, frame))

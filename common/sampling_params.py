@@ -11,11 +11,15 @@ import math
 
 import msgspec
 
+# Temperatures below this are greedy: dividing logits by 1e-45 overflows to inf and the softmax to
+# NaN. vLLM draws the same line (its _SAMPLING_EPS).
+MIN_TEMPERATURE = 1e-5
+
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     """How to pick each next token and when to stop.
 
-    temperature: 0 means greedy. top_p in (0, 1]; top_k -1 or 0 disables; min_p in [0, 1].
+    temperature: below MIN_TEMPERATURE (1e-5), 0 included, means greedy. top_p in (0, 1]; top_k -1 or 0 disables; min_p in [0, 1].
     repetition_penalty > 0 (1 = off, applies to prompt and output tokens, as in HF/vLLM);
     presence_penalty and frequency_penalty in [-2, 2] (output tokens only, as OpenAI).
     max_tokens: output tokens at most. logprobs: None, or how many top alternatives to return
@@ -55,10 +59,13 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_TEMPERATURE
 
-    def validate(self, max_logprobs: int = 20, max_n: int = 1) -> None:
-        """Raise ValueError("<field>: <why>") for the first invalid field."""
+    def validate(self, max_logprobs: int = 20, max_n: int = 1, max_stop: int | None = None) -> None:
+        """Raise ValueError("<field>: <why>") for the first invalid field.
+
+        max_stop: most stop strings accepted (None: no limit).
+        """
         def bad(field: str, why: str) -> None:
             raise ValueError(f"{field}: {why}")
 
@@ -97,6 +104,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
                 bad(f"logit_bias.{token}", f"must be between -100 and 100, got {bias}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             bad("seed", f"must be in [0, 2**63), got {self.seed}")
+        if max_stop is not None and len(self.stop) > max_stop:
+            bad("stop", f"at most {max_stop} stop strings (--max-stop), got {len(self.stop)}")
         if any(not s for s in self.stop):
             bad("stop", "stop strings must be non-empty")
         if self.n < 1 or self.n > max_n:

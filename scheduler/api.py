@@ -9,9 +9,12 @@ Routes (OpenAI API reference, vLLM's extra fields):
   ``supports_chat`` and ``random_weights``;
 - ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``, ``GET /version``: as vLLM serves them;
 - ``GET /health`` (200 or 503), ``GET /metrics`` (Prometheus text), ``GET /kv_cache`` (the block
-  pool and every live request's block table, `Engine.kv_cache_snapshot`), ``GET /kv_cache/advice``
-  (tuning advice, `scheduler.advice`), ``GET /kv_cache/ui`` (the live block-pool page,
-  ``kv_cache_ui.html``).
+  pool and every live request's block table, `Engine.kv_cache_snapshot`, request ids hashed),
+  ``GET /kv_cache/advice`` (tuning advice, `scheduler.advice`), ``GET /kv_cache/ui`` (the live
+  block-pool page, ``kv_cache_ui.html``).
+
+With API keys (`api_keys.APIKeys`) every route but /health and /metrics needs
+``Authorization: Bearer KEY``; without one the answer is 401 in OpenAI's error format.
 
 Every invalid request gets an OpenAI-style error body naming the field::
 
@@ -38,15 +41,25 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pagedkv.common.log import get_logger
 from pagedkv.common.sampling_params import SamplingParams
+from pagedkv.scheduler.api_keys import APIKeys, fingerprint
 
 log = get_logger("pagedkv.api")
 
 _KV_CACHE_UI = (Path(__file__).parent / "kv_cache_ui.html").read_bytes()
 
 ENGINE_KEY: web.AppKey = web.AppKey("engine", object)  # the app's engine, for startup/cleanup hooks
+API_KEYS: web.AppKey = web.AppKey("api_keys", APIKeys)
+MAX_BYTES: web.AppKey = web.AppKey("max_request_bytes", int)
+TENANT: web.RequestKey = web.RequestKey("tenant", object)  # the caller's API-key fingerprint, None when keys are off
+_OPEN_ROUTES = ("/health", "/metrics")  # orchestrators and Prometheus probe these without a key
 
-# Request bodies above this are refused by aiohttp with 413 (long prompts as token-id lists fit).
-MAX_BODY_BYTES = 32 * 2**20
+# Request bodies above this are refused with 413 (`--max-request-bytes`; long token-id lists fit).
+MAX_REQUEST_BYTES = 32 * 2**20
+MAX_JSON_DEPTH = 32  # the deepest legal body (chat content parts) nests 5 levels
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+# Prompts longer than this many characters are tokenized in a thread (tokenizers releases the GIL
+# in encode_batch), so one huge prompt does not freeze every stream and /health.
+_TOKENIZE_INLINE_CHARS = 8192
 
 
 # ---- errors ---------------------------------------------------------------------------------
@@ -91,6 +104,18 @@ def _from_validation_error(e: msgspec.ValidationError) -> APIError:
 
 def _json(obj: Any, status: int = 200) -> web.Response:
     return web.Response(body=msgspec.json.encode(obj), status=status, content_type="application/json")
+
+
+@web.middleware
+async def _auth(request: web.Request, handler):
+    """Bearer API keys on every route but /health and /metrics; 401 in OpenAI's format without one."""
+    if request.path not in _OPEN_ROUTES:
+        try:
+            request[TENANT] = request.app[API_KEYS].check(request.headers.get("Authorization"),
+                                                          admin_route=request.path.startswith("/kv_cache"))
+        except PermissionError as e:
+            raise APIError(401, str(e), code="invalid_api_key") from None
+    return await handler(request)
 
 
 @web.middleware
@@ -236,14 +261,52 @@ class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True):
     model: str | None = None
 
 
+def _check_json(value: Any, path: str = "", depth: int = 0) -> None:
+    """Refuse what the engine cannot carry: nesting deeper than MAX_JSON_DEPTH, strings that are not
+    valid Unicode (a lone UTF-16 surrogate such as ``"\\udfff"`` parses, then breaks UTF-8 encoding and
+    block hashing), integers outside int64 (MessagePack and the worker's tensors hold no more).
+
+    Raises APIError 400 naming the path (``stop[1]``, ``messages[0].content``).
+    """
+    if depth > MAX_JSON_DEPTH:
+        raise APIError(400, f"request body: JSON nested deeper than {MAX_JSON_DEPTH} levels")
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            raise APIError(400, f"{path}: is not valid Unicode (lone UTF-16 surrogate)", path) from None
+    elif isinstance(value, int) and not isinstance(value, bool):
+        if not _INT64_MIN <= value <= _INT64_MAX:
+            raise APIError(400, f"{path}: integer {value:.4g} is outside the 64-bit signed range", path)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_json(item, f"{path}[{i}]", depth + 1)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_json(key, path or "request body", depth + 1)
+            _check_json(item, f"{path}.{key}" if path else key, depth + 1)
+
+
 async def _decode_body(request: web.Request, cls: type[msgspec.Struct]):
-    raw = await request.read()
+    limit = request.app[MAX_BYTES]
+    too_large = APIError(413, f"request body: larger than {limit} bytes (--max-request-bytes)")
+    if request.content_length is not None and request.content_length > limit:
+        raise too_large  # refused before reading it (aiohttp then drains what the client still sends)
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise too_large from None
+    if len(raw) > limit:
+        raise too_large
     try:
         # The stdlib parser accepts NaN/Infinity, so such a value reaches validation and gets
         # its field named instead of a bare "malformed JSON".
         obj = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise APIError(400, f"request body: JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
+    _check_json(obj)
     try:
         return msgspec.convert(obj, cls)
     except msgspec.ValidationError as e:
@@ -270,7 +333,8 @@ def _sampling_params(req: _SamplingFields, engine, *, max_tokens: int, logprobs:
         skip_special_tokens=req.skip_special_tokens, n=req.n, use_beam_search=req.use_beam_search,
         length_penalty=req.length_penalty, early_stopping=req.early_stopping)
     try:
-        params.validate(max_logprobs=engine.config.max_logprobs, max_n=engine.config.max_n)
+        params.validate(max_logprobs=engine.config.max_logprobs, max_n=engine.config.max_n,
+                        max_stop=engine.config.max_stop)
     except ValueError as e:
         raise _from_value_error(e) from None
     vocab = engine.model_config.vocab_size
@@ -542,7 +606,20 @@ def _chat_logprobs(lps: list) -> dict:
 
 # ---- handlers -------------------------------------------------------------------------------
 
-def _prompt_token_lists(req: CompletionRequest, tokenizer) -> tuple[list[list[int]], list[str | None]]:
+async def _tokenize(engine, text: str, field: str, add_special_tokens: bool = True, *,
+                    must_fit: bool = True) -> list[int]:
+    """Token ids of ``text``. With ``must_fit``, a text too long to fit max_model_len whatever its
+    tokens is refused untokenized; a long one is tokenized in a thread. Raises APIError 400 naming ``field``."""
+    tokenizer = engine.tokenizer
+    if must_fit and len(text) > engine.max_model_len * tokenizer.max_token_chars:
+        raise APIError(400, f"{field}: {len(text)} characters cannot fit max_model_len ({engine.max_model_len} "
+                            f"tokens of at most {tokenizer.max_token_chars} characters)", field)
+    if len(text) <= _TOKENIZE_INLINE_CHARS:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
+
+
+async def _prompt_token_lists(req: CompletionRequest, engine) -> tuple[list[list[int]], list[str | None]]:
     """The prompts of a completions request as token ids, and their text when given as text."""
     p = req.prompt
     if p is None:
@@ -561,7 +638,7 @@ def _prompt_token_lists(req: CompletionRequest, tokenizer) -> tuple[list[list[in
         if not item:
             raise APIError(400, "prompt: must not be empty", "prompt")
         if isinstance(item, str):
-            ids.append(tokenizer.encode(item))
+            ids.append(await _tokenize(engine, item, "prompt"))
             texts.append(item)
         else:
             ids.append(item)
@@ -569,8 +646,8 @@ def _prompt_token_lists(req: CompletionRequest, tokenizer) -> tuple[list[list[in
     return ids, texts
 
 
-def _render_chat(engine, messages: list[ChatMessage] | None, add_generation_prompt: bool,
-                 add_special_tokens: bool = False) -> list[int]:
+async def _render_chat(engine, messages: list[ChatMessage] | None, add_generation_prompt: bool,
+                       add_special_tokens: bool = False) -> list[int]:
     """Token ids of ``messages`` rendered with the chat template. Raises APIError 400 naming the field."""
     if not messages:
         raise APIError(400, "messages: must be a non-empty list", "messages")
@@ -585,6 +662,11 @@ def _render_chat(engine, messages: list[ChatMessage] | None, add_generation_prom
                 raise APIError(400, f"messages[{i}].content: only text content parts are supported",
                                f"messages[{i}].content")
             content = "\n".join(p.text for p in content)
+        elif content is None:  # OpenAI allows it for an assistant turn (tool calls), nowhere else
+            if m.role != "assistant":
+                raise APIError(400, f"messages[{i}].content: is required for role {m.role!r}",
+                               f"messages[{i}].content")
+            content = ""
         msg = {"role": m.role, "content": content}
         if m.name is not None:
             msg["name"] = m.name
@@ -593,8 +675,11 @@ def _render_chat(engine, messages: list[ChatMessage] | None, add_generation_prom
         text = engine.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt)
     except ValueError as e:
         raise _from_value_error(e) from None
+    except Exception as e:  # a template that breaks on this input (a TypeError in jinja) is the input's fault
+        raise APIError(400, f"messages: the chat template failed on these messages: {e!r:.200}", "messages") \
+            from None
     # The template writes BOS itself when the model wants one (transformers does the same).
-    prompt = engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    prompt = await _tokenize(engine, text, "messages", add_special_tokens=add_special_tokens)
     if not prompt:
         raise APIError(400, "messages: the rendered prompt is empty", "messages")
     return prompt
@@ -625,7 +710,8 @@ class _API:
         self.created = int(time.time())  # the model card's "created": when serving began
 
     def _extra(self, req: _SamplingFields, request: web.Request) -> dict:
-        extra = {"priority": req.priority, "cache_salt": req.cache_salt}
+        extra = {"priority": req.priority,
+                 "cache_salt": request.app[API_KEYS].cache_salt(request.get(TENANT), req.cache_salt)}
         if traceparent := request.headers.get("traceparent"):  # W3C Trace Context: continue the client's trace
             extra["traceparent"] = traceparent
         return extra
@@ -636,7 +722,13 @@ class _API:
         req = await _decode_body(request, CompletionRequest)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         _check_common(req, engine, request_id)
-        prompts, prompt_texts = _prompt_token_lists(req, engine.tokenizer)
+        num_prompts = len(req.prompt) if isinstance(req.prompt, list) and req.prompt and \
+            not isinstance(req.prompt[0], int) else 1
+        if num_prompts * req.n > engine.config.max_choices:  # refused before a prompt is tokenized
+            param = "n" if req.n > 1 else "prompt"
+            raise APIError(400, f"{param}: n ({req.n}) x prompts ({num_prompts}) exceeds {engine.config.max_choices} "
+                                "choices per request (--max-choices)", param)
+        prompts, prompt_texts = await _prompt_token_lists(req, engine)
         if req.max_tokens is None or req.max_tokens < (0 if req.echo else 1):
             raise APIError(400, "max_tokens: must be an integer >= 1 (0 only with echo, to score the prompt)",
                            "max_tokens")
@@ -707,7 +799,7 @@ class _API:
         req = await _decode_body(request, ChatCompletionRequest)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         _check_common(req, engine, request_id)
-        prompt = _render_chat(engine, req.messages, req.add_generation_prompt)
+        prompt = await _render_chat(engine, req.messages, req.add_generation_prompt)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -759,9 +851,9 @@ class _API:
             raise APIError(400, "prompt: give exactly one of prompt and messages", "prompt")
         if req.prompt is not None:
             add = True if req.add_special_tokens is None else req.add_special_tokens
-            tokens = engine.tokenizer.encode(req.prompt, add_special_tokens=add)
+            tokens = await _tokenize(engine, req.prompt, "prompt", add_special_tokens=add, must_fit=False)
         else:
-            tokens = _render_chat(engine, req.messages, req.add_generation_prompt, bool(req.add_special_tokens))
+            tokens = await _render_chat(engine, req.messages, req.add_generation_prompt, bool(req.add_special_tokens))
         strs = [engine.tokenizer.token_to_str(t) for t in tokens] if req.return_token_strs else None
         return _json({"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens,
                       "token_strs": strs})
@@ -818,10 +910,13 @@ class _API:
         return card
 
     async def health(self, request: web.Request) -> web.Response:
-        """GET /health: 200 while the engine serves, 503 once it has failed or stopped."""
-        if self.engine.healthy:
+        """GET /health: 200 {"status": "ok"} while the engine serves; 503 with the reason while its worker
+        recovers ("recovering: ..."), while it drains for shutdown ("draining"), or once it failed."""
+        ok, status = self.engine.health()
+        if ok:
             return _json({"status": "ok"})
-        return _json({"status": "unhealthy"}, status=503)
+        state, _, reason = status.partition(": ")
+        return _json({"status": state, "reason": reason or None}, status=503)
 
     async def metrics(self, request: web.Request) -> web.Response:
         """GET /metrics: the Prometheus text exposition of the engine's registry."""
@@ -829,8 +924,16 @@ class _API:
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def kv_cache(self, request: web.Request) -> web.Response:
-        """GET /kv_cache: block_size, num_gpu_blocks, num_free_blocks, usage and each request's block table."""
-        return _json(self.engine.kv_cache_snapshot())
+        """GET /kv_cache: block_size, num_gpu_blocks, num_free_blocks, usage and each request's block table.
+
+        Request ids are shown as their fingerprints (another tenant's id would let the caller abort
+        or correlate it) unless ``?request_ids=raw`` asks for them.
+        """
+        snap = self.engine.kv_cache_snapshot()
+        if request.query.get("request_ids") != "raw":
+            for r in snap["requests"] + snap["swapped_requests"]:
+                r["id"] = "sha256:" + fingerprint(r["id"])
+        return _json(snap)
 
     async def kv_cache_advice(self, request: web.Request) -> web.Response:
         """GET /kv_cache/advice: tuning advice from the last minutes of metrics (`scheduler.advice`)."""
@@ -862,11 +965,18 @@ async def _stream(request: web.Request, gen: _Generation, events: AsyncIterator[
         await gen.close()
 
 
-def build_app(engine) -> web.Application:
-    """The aiohttp application serving ``engine`` (see the module docstring for routes)."""
+def build_app(engine, *, api_keys: APIKeys | None = None,
+              max_request_bytes: int = MAX_REQUEST_BYTES) -> web.Application:
+    """The aiohttp application serving ``engine`` (see the module docstring for routes).
+
+    api_keys: who may call what (default: no keys, the API is open); max_request_bytes: larger
+    bodies get 413.
+    """
     api = _API(engine)
-    app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
+    app = web.Application(middlewares=[_errors, _auth], client_max_size=max_request_bytes)
     app[ENGINE_KEY] = engine
+    app[API_KEYS] = api_keys or APIKeys()
+    app[MAX_BYTES] = max_request_bytes
     app.router.add_post("/v1/completions", api.completions)
     app.router.add_post("/v1/chat/completions", api.chat_completions)
     app.router.add_get("/v1/models", api.models)

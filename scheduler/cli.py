@@ -163,6 +163,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=_int_in(1), default=None,
                    help="context limit (prompt + output tokens); default: the model's max_position_embeddings")
     g.add_argument("--max-n", type=_int_in(1), default=d.max_n, help="largest n (completions per prompt) accepted")
+    g.add_argument("--max-choices", type=_int_in(1), default=d.max_choices,
+                   help="most choices (n x prompts) one API request may ask for (OpenAI's bound on n)")
+    g.add_argument("--max-stop", type=_int_in(0), default=d.max_stop,
+                   help="most stop strings per request (OpenAI's bound)")
     g.add_argument("--max-logprobs", type=_int_in(0), default=d.max_logprobs,
                    help="largest logprobs / top_logprobs accepted")
     g.add_argument("--seed", type=_int_in(0, 2**63 - 1), default=d.seed,
@@ -186,11 +190,20 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="fp8: the V scale of every layer (see --k-scale)")
     g.add_argument("--worker-timeout", type=_float_in(0.0, lo_open=True), default=d.worker_timeout,
                    metavar="SECONDS", help="a worker that does not answer a step within this is declared failed")
+    g.add_argument("--max-worker-restarts", type=_int_in(0), default=d.max_worker_restarts, metavar="N",
+                   help="a worker that dies or misses --worker-timeout is killed and restarted (backoff 0, 1, 2, 4 ... 30 s) "
+                        "and every request in flight is recomputed; after N consecutive restarts the server exits "
+                        "non-zero (0: exit at the first failure)")
     g.add_argument("--worker-address", default=None, metavar="ADDR",
                    help="ZeroMQ address the control plane binds for its worker (ipc://PATH or tcp://HOST:PORT); "
                         "default: an ipc:// socket in the temp dir")
     g.add_argument("--external-worker", action="store_true",
-                   help="do not spawn a worker: wait for `pagedkv worker --connect ADDR` (needs --worker-address)")
+                   help="do not spawn a worker: wait for `pagedkv worker --connect ADDR` (needs --worker-address "
+                        "and a shared secret)")
+    g.add_argument("--worker-secret-file", metavar="PATH", default=None,
+                   help="file holding the secret that authenticates every worker-channel message (HMAC-SHA256), "
+                        "shared with the external worker; also $PAGEDKV_WORKER_SECRET; default for a spawned "
+                        "worker: a fresh random secret per start")
     _add_log_args(g)
 
 
@@ -212,6 +225,10 @@ def _engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         parser.error(f"--worker-address must start with ipc:// or tcp://, got {args.worker_address!r}")
     if (args.k_scale or args.v_scale) and not args.kv_cache_dtype.startswith("fp8"):
         parser.error("--k-scale/--v-scale need --kv-cache-dtype fp8, fp8_e4m3 or fp8_e5m2")
+    args.worker_secret = _worker_secret(args.worker_secret_file, parser, "--worker-secret-file")
+    if args.external_worker and args.worker_secret is None:
+        parser.error(f"--external-worker needs the worker-channel secret: --worker-secret-file PATH or "
+                     f"{SECRET_ENV} (the worker reads the same; e.g. `openssl rand -hex 32`)")
     positional = getattr(args, "model_tag", None)
     if positional is not None and args.model is not None and positional != args.model:
         parser.error(f"the model is given twice: {positional!r} and --model {args.model!r}")
@@ -234,13 +251,26 @@ def _engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         gpu_memory_utilization=args.gpu_memory_utilization, cpu_kv_cache_space=args.cpu_kv_cache_space,
         swap_space=args.swap_space, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len, max_n=args.max_n,
-        max_logprobs=args.max_logprobs, worker_timeout=args.worker_timeout,
+        max_choices=args.max_choices, max_stop=args.max_stop, max_logprobs=args.max_logprobs,
+        worker_timeout=args.worker_timeout, max_worker_restarts=args.max_worker_restarts,
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
         enable_prefix_caching=args.enable_prefix_caching, prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         preemption_mode=args.preemption_mode, scheduling_policy=args.scheduling_policy,
         otlp_traces_endpoint=args.otlp_traces_endpoint, tensor_parallel_size=args.tensor_parallel_size,
         kv_cache_dtype=args.kv_cache_dtype,
         k_scale=args.k_scale, v_scale=args.v_scale)
+
+
+SECRET_ENV = "PAGEDKV_WORKER_SECRET"  # `common.protocol.SECRET_ENV`, without importing msgspec before the port is bound
+
+
+def _worker_secret(path: str | None, parser: argparse.ArgumentParser, flag: str) -> bytes | None:
+    from pagedkv.common.protocol import load_secret
+
+    try:
+        return load_secret(path)
+    except (OSError, ValueError) as e:
+        parser.error(f"{flag}: {e}")
 
 
 def _run(coro) -> int:
@@ -268,7 +298,7 @@ def _listen(host: str, port: int) -> socket.socket:
         raise OSError(f"--host {host} --port {port}: cannot listen: {why}") from None
 
 
-async def _serve(args: argparse.Namespace, config: EngineConfig, sock: socket.socket) -> int:
+async def _serve(args: argparse.Namespace, config: EngineConfig, sock: socket.socket, api_keys) -> int:
     from aiohttp import web
 
     import asyncio
@@ -278,40 +308,118 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, sock: socket.so
     from pagedkv.scheduler.engine import Engine
 
     log = get_logger("pagedkv.cli")
-    engine = await Engine.start(config, worker_address=args.worker_address, external_worker=args.external_worker)
-    runner = web.AppRunner(build_app(engine), handler_cancellation=True, access_log=None)
+    engine = await Engine.start(config, worker_address=args.worker_address, external_worker=args.external_worker,
+                                worker_secret=args.worker_secret)
+    runner = web.AppRunner(build_app(engine, api_keys=api_keys, max_request_bytes=args.max_request_bytes),
+                           handler_cancellation=True, access_log=None)
     stop = asyncio.Event()
+    signals = []  # a first SIGTERM/SIGINT drains, a second one stops at once
     loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        signals.append(sig)
+        if len(signals) > 1:
+            engine.abort_all()
+        stop.set()
+
+    watch = None
     try:
         await runner.setup()
         site = web.SockSite(runner, sock)
         await site.start()
         port = sock.getsockname()[1]  # the real port when --port 0 asked for any free one
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal, sig)
         snap = engine.kv_cache_snapshot()
         if engine.random_weights:
             log.warning("model weights are RANDOM: outputs are noise", model=engine.model_config.name)
         log.info("serving", model=engine.model_config.name, path=engine.model_config.path,
                  random_weights=engine.random_weights, num_gpu_blocks=snap["num_gpu_blocks"],
                  block_size=snap["block_size"], kv_cache_dtype=snap["kv_cache_dtype"], max_model_len=engine.max_model_len,
-                 url=f"http://{args.host}:{port}")
-        await stop.wait()
-        log.info("shutting down")
+                 url=f"http://{args.host}:{port}", api_keys=api_keys.enabled,
+                 prefix_cache_isolation=api_keys.prefix_cache_isolation)
+        if not api_keys.enabled and args.host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("serving without API keys on a non-loopback address: anyone who reaches it can "
+                        "use it and read /kv_cache (set --api-key or PAGEDKV_API_KEY)", host=args.host)
+        watch = asyncio.ensure_future(_watch_open_files(log))
+        failed = asyncio.ensure_future(engine.failed.wait())
+        await asyncio.wait([failed, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+        if engine.failed.is_set():  # the engine cannot serve: exit non-zero so a supervisor restarts us
+            log.error("engine failed; exiting", error=engine.health()[1])
+            return 1
+        failed.cancel()
+        log.info("shutting down", signal=signals[0].name if signals else None, shutdown_timeout=args.shutdown_timeout)
+        await engine.drain(args.shutdown_timeout)
         return 0
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+        if watch is not None:
+            watch.cancel()
         await runner.cleanup()
         await engine.shutdown()
+
+
+def _api_keys(args: argparse.Namespace, parser: argparse.ArgumentParser):
+    from pagedkv.scheduler.api_keys import APIKeys, keys_from_env
+
+    try:
+        return APIKeys((args.api_key or []) + keys_from_env("PAGEDKV_API_KEY"),
+                       (args.admin_api_key or []) + keys_from_env("PAGEDKV_ADMIN_API_KEY"),
+                       args.prefix_cache_isolation)
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def raise_open_files_limit() -> tuple[int, int]:
+    """Raise the soft open-files limit to the hard one (every connection holds a descriptor; at the
+    common default of 1,024 a burst of connections is reset). Returns (old soft, new soft)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard or hard == resource.RLIM_INFINITY and soft < 1 << 20:
+        new = hard if hard != resource.RLIM_INFINITY else 1 << 20
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+            return soft, new
+        except (ValueError, OSError):
+            pass  # kept as it is; `serve` logs the limit it runs with
+    return soft, soft
+
+
+async def _watch_open_files(log, every: float = 1.0, share: float = 0.9) -> None:
+    """Log when open descriptors near the soft limit: past it the event loop (libuv) accepts and
+    closes new connections to shed load, which clients see as resets and nothing else would log."""
+    import asyncio
+    import resource
+
+    last = 0.0
+    while True:
+        await asyncio.sleep(every)
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        try:
+            n = len(os.listdir("/proc/self/fd"))
+        except FileNotFoundError:  # not Linux
+            return
+        except OSError:  # EMFILE: not even one descriptor left to list them
+            n = soft
+        now = asyncio.get_running_loop().time()
+        if soft != resource.RLIM_INFINITY and n >= share * soft and now - last >= 10:
+            last = now
+            log.error("open files near the limit: new connections are being reset", open_files=n, limit=soft)
 
 
 def _cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     sock = args.listen_socket or _listen(args.host, args.port)
     try:
         config = _engine_config(args, parser)
+        api_keys = _api_keys(args, parser)
         configure_logging(args.log_format, args.log_level)
-        return _run(_serve(args, config, sock))
+        old, new = raise_open_files_limit()
+        from pagedkv.common.log import get_logger
+
+        get_logger("pagedkv.cli").info("open-files limit", soft=new, was=old)
+        return _run(_serve(args, config, sock, api_keys))
     finally:
         sock.close()
 
@@ -324,13 +432,14 @@ async def _generate(args: argparse.Namespace, config: EngineConfig, prompts: lis
     from pagedkv.common.sampling_params import SamplingParams
     from pagedkv.scheduler.engine import Engine
 
-    engine = await Engine.start(config, worker_address=args.worker_address, external_worker=args.external_worker)
+    engine = await Engine.start(config, worker_address=args.worker_address, external_worker=args.external_worker,
+                                worker_secret=args.worker_secret)
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                                 seed=args.seed, max_tokens=args.max_tokens, stop=args.stop or [],
                                 ignore_eos=args.ignore_eos, n=args.n)
         try:
-            params.validate(max_logprobs=config.max_logprobs, max_n=config.max_n)
+            params.validate(max_logprobs=config.max_logprobs, max_n=config.max_n, max_stop=config.max_stop)
             streams = [engine.add_request(engine.tokenizer.encode(p), params) for p in prompts]
         except ValueError as e:
             print(f"pagedkv generate: error: {e}", file=sys.stderr)
@@ -407,10 +516,14 @@ def _cmd_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     from pagedkv.common.config import check_rank_arguments
 
     check_rank_arguments(args, parser)
+    secret = _worker_secret(args.secret_file, parser, "--secret-file")
+    if secret is None:
+        parser.error(f"the worker-channel secret is required: --secret-file PATH or {SECRET_ENV} "
+                     "(the same the control plane has)")
     configure_logging(args.log_format, args.log_level)
     from pagedkv.worker.worker import run  # torch is imported here, in the worker process only
 
-    run(args.connect, args.rank, args.world_size, args.dist_init_method)
+    run(args.connect, secret, args.rank, args.world_size, args.dist_init_method)
     return 0
 
 
@@ -430,6 +543,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address the HTTP API listens on")
     serve.add_argument("--port", type=_int_in(0, 65535), default=8000, help="TCP port (0: any free port)")
+    sec = serve.add_argument_group("access and limits")
+    sec.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                     help="require `Authorization: Bearer KEY` on every route but /health and /metrics "
+                          "(repeatable; also PAGEDKV_API_KEY, comma-separated)")
+    sec.add_argument("--admin-api-key", action="append", default=None, metavar="KEY",
+                     help="the only keys /kv_cache accepts (repeatable; also PAGEDKV_ADMIN_API_KEY)")
+    sec.add_argument("--prefix-cache-isolation", choices=["none", "api-key"], default=None,
+                     help="api-key: each API key gets its own prefix cache (closes the timing and "
+                          "cached_tokens side channel between tenants); default: api-key when keys are set")
+    sec.add_argument("--shutdown-timeout", type=_float_in(0.0), default=30.0, metavar="SECONDS",
+                     help="on SIGTERM/SIGINT: refuse new requests (503), let those in flight finish for up to "
+                          "this long, then abort them and exit (a second signal aborts at once)")
+    sec.add_argument("--max-request-bytes", type=_int_in(1), default=32 * 2**20, metavar="BYTES",
+                     help="larger request bodies get 413")
     serve.set_defaults(handler=_cmd_serve)
 
     gen = sub.add_parser("generate", formatter_class=_HelpFormatter, help="complete prompts offline and print them",
@@ -460,6 +587,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       "--worker-address ADDR [--tensor-parallel-size N]`.")
     work.add_argument("--connect", required=True, metavar="ADDR", help="the control plane's address (ipc:// or tcp://)")
     add_rank_arguments(work)
+    work.add_argument("--secret-file", metavar="PATH", default=None,
+                      help=f"the worker-channel secret shared with the control plane (default: ${SECRET_ENV})")
     _add_log_args(work)
     work.set_defaults(handler=_cmd_worker)
 

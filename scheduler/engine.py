@@ -6,6 +6,10 @@ stop conditions, stream deltas to each request's queue), free finished requests'
 and `pagedkv generate` talk to it through `Engine.add_request`, an async iterator of
 `RequestOutput` deltas; closing that iterator early aborts the request, so every block comes back
 whatever way a request ends. Metrics, tracing and the request log are written here.
+
+Faults: a step that fails ends only its cause (`_step_failed`); a worker that dies or misses its
+deadline is killed and replaced, and every live request recomputes (`_recover`); when the engine
+cannot go on, `failed` is set and `pagedkv serve` exits non-zero.
 """
 
 from __future__ import annotations
@@ -13,11 +17,12 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 from pagedkv.common.config import EngineConfig, ModelConfig, resolve_max_model_len, weight_files
 from pagedkv.common.log import get_logger
-from pagedkv.common.protocol import StepResult
+from pagedkv.common.protocol import StepResult, encode
 from pagedkv.common.sampling_params import SamplingParams
 from pagedkv.common.tracing import RequestTracer, make_tracer
 from pagedkv.scheduler.advice import Advisor, Sample, Settings
@@ -31,6 +36,16 @@ from pagedkv.scheduler.tokenizer import Tokenizer
 from pagedkv.scheduler.worker_client import WorkerClient, WorkerFailed
 
 log = get_logger("pagedkv.engine")
+
+_IDLE_CHECK_SECONDS = 0.5  # an idle engine checks its worker this often: a death is noticed within a second
+_RESTART_BACKOFF_SECONDS = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0)  # before restart k (the last repeats)
+_RESTART_RESET_SECONDS = 60.0  # a worker that lived this long resets the consecutive-restart count
+_INT64 = 2**63
+
+
+class _EngineFailed(Exception):
+    """The engine cannot serve any more (worker restarts exhausted); every request has been failed."""
+
 
 
 class Engine:
@@ -69,17 +84,29 @@ class Engine:
         self._task: asyncio.Task | None = None
         self._advice_task: asyncio.Task | None = None
         self._error: str | None = None
+        self._new_kv: Callable[[], KVAllocator] | None = None  # a fresh allocator for a new worker's pool (`start`)
+        self.failed = asyncio.Event()  # set when the engine can no longer serve: the process should exit non-zero
+        self._recovering: str | None = None  # why, while a worker restart is under way
+        self._draining = False
+        self._worker_args: dict = {}  # how to start the worker again (address, spawn, secret)
+        self._restarts = 0  # consecutive worker restarts
+        self._last_restart = 0.0
+        self._quarantine: deque[RequestStream] = deque()  # suspects of a failed step, each to run a step alone first
+        self._probation: RequestStream | None = None  # the suspect released from quarantine, until a step succeeds
 
     @classmethod
     async def start(cls, config: EngineConfig, *, worker_address: str | None = None,
                     external_worker: bool = False, tracer: RequestTracer | None = None,
-                    kv_allocator: Callable[[int, int, int], KVAllocator] | None = None) -> "Engine":
+                    kv_allocator: Callable[[int, int, int], KVAllocator] | None = None,
+                    worker_secret: bytes | None = None) -> "Engine":
         """Read the model config and tokenizer, start the worker, size the KV pool, start the loop.
 
         kv_allocator(num_gpu_blocks, num_cpu_blocks, max_model_len): the KV allocator to schedule
         with (`scheduler.KVAllocator`); default the paged `KVCacheManager`. Benchmarks plug their
-        baselines in here. Raises FileNotFoundError/ValueError for a bad model directory or a
-        tensor_parallel_size the model cannot be split by (`ModelConfig.shard`), WorkerFailed when the worker cannot start or load the model.
+        baselines in here. worker_secret: the worker-channel secret (`common.protocol.Channel`);
+        needed with an external worker, generated per start for a spawned one when None. Raises
+        FileNotFoundError/ValueError for a bad model directory or a tensor_parallel_size the model
+        cannot be split by (`ModelConfig.shard`), WorkerFailed when the worker cannot start or load the model.
         """
         # everything that can be checked is checked before a worker starts
         model_config = ModelConfig.load(config.model)
@@ -89,7 +116,7 @@ class Engine:
             weight_files(model_config.path)
         tokenizer = Tokenizer.load(model_config, config.chat_template)
         tracer = tracer or make_tracer(config.otlp_traces_endpoint)  # None: tracing off
-        client = WorkerClient(config, worker_address, spawn=not external_worker)
+        client = WorkerClient(config, worker_address, spawn=not external_worker, secret=worker_secret)
         try:
             hello = await client.start()
             num_gpu_blocks = config.num_gpu_blocks or hello.max_num_gpu_blocks
@@ -106,12 +133,18 @@ class Engine:
             await client.close()
             raise
         max_model_len = resolve_max_model_len(model_config, config.max_model_len)
-        if kv_allocator is None:
-            kv = KVCacheManager(num_gpu_blocks, config.block_size, config.enable_prefix_caching,
-                                config.prefix_caching_hash_algo, num_cpu_blocks)
-        else:
-            kv = kv_allocator(num_gpu_blocks, num_cpu_blocks, max_model_len)
-        engine = cls(config, model_config, tokenizer, client, kv)
+
+        def new_kv() -> KVAllocator:
+            if kv_allocator is not None:
+                return kv_allocator(num_gpu_blocks, num_cpu_blocks, max_model_len)
+            return KVCacheManager(num_gpu_blocks, config.block_size, config.enable_prefix_caching,
+                                  config.prefix_caching_hash_algo, num_cpu_blocks)
+
+        engine = cls(config, model_config, tokenizer, client, new_kv())
+        engine._new_kv = new_kv
+        engine._pool_blocks = (num_gpu_blocks, num_cpu_blocks)
+        engine._worker_args = {"address": worker_address, "spawn": not external_worker, "secret": worker_secret}
+        engine._last_restart = time.monotonic()
         engine.device = hello.device
         engine.kv_cache_dtype, engine.kv_bytes_per_block = hello.kv_cache_dtype, hello.kv_bytes_per_block
         engine.scheduler.policy.kv_bytes_per_block = hello.kv_bytes_per_block  # the cost model's inputs
@@ -133,7 +166,23 @@ class Engine:
 
     @property
     def healthy(self) -> bool:
-        return self._error is None and self._task is not None and not self._task.done()
+        return self.health()[0]
+
+    def health(self) -> tuple[bool, str]:
+        """(serving, status): "ok"; or "recovering: <why>", "draining", "failed: <why>" (not serving)."""
+        if self._error is not None or self._task is None or self._task.done():
+            return False, f"failed: {self._error or 'stopped'}"
+        if self._draining:
+            return False, "draining"
+        if self._recovering is not None:
+            return False, f"recovering: {self._recovering}"
+        return True, "ok"
+
+    @property
+    def accepting(self) -> bool:
+        """New requests are queued (also while the worker recovers); not once failed or draining."""
+        return self._error is None and self._task is not None and not self._task.done() and not self._draining
+
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -149,9 +198,11 @@ class Engine:
         never be served, RuntimeError when the engine has failed. Closing the iterator before
         the end aborts the request.
         """
-        if not self.healthy:
-            raise RuntimeError(f"engine is not serving: {self._error or 'stopped'}")
+        if not self.accepting:
+            raise RuntimeError(f"engine is not serving: {self.health()[1]}")
         self._validate(prompt_token_ids, params, cache_salt)
+        if not -_INT64 <= priority < _INT64:
+            raise ValueError(f"priority: must fit in int64, got {priority}")
         request_id = request_id or f"cmpl-{uuid.uuid4().hex}"
         if request_id in self.output.streams:
             raise ValueError(f"request_id: {request_id!r} is already running")
@@ -169,11 +220,14 @@ class Engine:
 
     def _validate(self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None) -> None:
         """Raise ValueError("<field>: <why>") unless the request is well formed and could run alone on an empty pool."""
-        params.validate(max_logprobs=self.config.max_logprobs, max_n=self.config.max_n)
+        params.validate(max_logprobs=self.config.max_logprobs, max_n=self.config.max_n, max_stop=self.config.max_stop)
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("prompt: must not be empty")
         vocab = self.model_config.vocab_size
+        if params.top_k > vocab:
+            raise ValueError(f"top_k: must be -1 or 0 (disabled) or at most the vocabulary size {vocab}, "
+                             f"got {params.top_k}")
         if bad := next((t for t in prompt_token_ids if not 0 <= t < vocab), None):
             raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {vocab})")
         if n > self.max_model_len:
@@ -181,10 +235,22 @@ class Engine:
         if n + params.max_tokens > self.max_model_len:
             raise ValueError(f"max_tokens: prompt ({n} tokens) + max_tokens ({params.max_tokens}) "
                              f"exceeds max_model_len ({self.max_model_len})")
+        for field in ("top_k", "max_tokens", "seed"):  # the worker's tensors hold int64
+            if (v := getattr(params, field)) is not None and not -_INT64 <= v < _INT64:
+                raise ValueError(f"{field}: must fit in int64, got {v}")
+        try:  # what the step plan carries must encode, what block hashing reads must be valid UTF-8
+            encode(params)
+        except (OverflowError, UnicodeEncodeError) as e:
+            raise ValueError(f"sampling: cannot be sent to the worker: {e}") from None
         if params.use_beam_search and params.stop:
             raise ValueError("stop: stop strings are not supported with beam search (EOS and max_tokens end beams)")
         if cache_salt is not None and not cache_salt:
             raise ValueError("cache_salt: must not be empty (omit it to share the prefix cache)")
+        if cache_salt is not None:
+            try:
+                cache_salt.encode()  # block hashing reads it as UTF-8
+            except UnicodeEncodeError:
+                raise ValueError("cache_salt: is not valid Unicode (lone UTF-16 surrogate)") from None
         # the group at its longest: the cache holds prompt + max_tokens - 1 tokens (the last sampled
         # token is never written), n sequences (or beam width) sharing the prompt's blocks
         group: list[Request] = []
@@ -214,34 +280,37 @@ class Engine:
         try:
             while True:
                 self._apply_aborts()
+                self._release_from_quarantine()
                 if not (self.scheduler.waiting or self.scheduler.running or self.scheduler.swapped):
-                    self._wake.clear()
-                    await self._wake.wait()
+                    await self._idle()
                     continue
                 step = self.scheduler.schedule()
                 self._record_preemptions(step)
                 if step.is_empty:  # nothing can run until an arrival, an abort or a finish changes that
-                    self._wake.clear()
-                    await self._wake.wait()
+                    await self._idle()
                     continue
                 try:
                     result = await self.client.step(step.plan)
                 except WorkerFailed as e:
-                    self._fail_all(str(e))
-                    return
-                if result.error is not None:
-                    log.error("step failed", step_id=result.step_id, error=result.error)
-                    owner = self.output.owner
-                    failed = {owner[rid] for rid in step.num_scheduled_tokens if rid in owner}
-                    for stream in failed:
-                        self._end_stream(stream, RequestStatus.FINISHED_ERROR, f"worker error: {result.error}")
+                    await self._recover(str(e))
                     continue
+                except (OverflowError, UnicodeEncodeError, ValueError, TypeError) as e:  # the plan did not encode
+                    await self._step_failed(step, f"step plan could not be encoded: {e!r}")
+                    continue
+                if result.error is not None:
+                    await self._step_failed(step, f"worker error: {result.error}")
+                    continue
+                if self._probation is not None and any(self.output.owner.get(rid) is self._probation
+                                                       for rid in step.num_scheduled_tokens):
+                    self._probation = None  # it stepped without failing: cleared
                 self.scheduler.policy.prefill.observe(step.plan, result.forward_seconds)
                 self.scheduler.advance(step)
                 for hook in self.step_hooks:
                     hook(step)
                 self._apply_result(result)
-        except Exception as e:  # a bug in the control plane must not leave clients hanging
+        except _EngineFailed:
+            pass
+        except Exception as e:  # a bug in the control plane: fail every request, and exit so a supervisor restarts us
             log.exception("engine loop crashed")
             self._fail_all(f"engine loop crashed: {e!r}")
 
@@ -257,6 +326,148 @@ class Engine:
         """The state the advice rules read, now."""
         return Sample(time.monotonic(), self.kv.usage, len(self.scheduler.running), len(self.scheduler.waiting),
                       len(self.scheduler.swapped), self.kv.cpu_usage, self.scheduler.num_preemptions)
+
+    async def _idle(self) -> None:
+        """Sleep until woken (an arrival, an abort, a finish), looking at the worker every
+        _IDLE_CHECK_SECONDS meanwhile: an idle worker's death is noticed within a second."""
+        self._wake.clear()
+        try:
+            await asyncio.wait_for(self._wake.wait(), _IDLE_CHECK_SECONDS)
+        except TimeoutError:
+            pass
+        try:
+            self.client.check_alive()
+        except WorkerFailed as e:
+            await self._recover(str(e))
+
+    # ---- faults: a failed step fails its cause; a failed worker is replaced -----------------
+
+    async def _step_failed(self, step: ScheduledStep, error: str) -> None:
+        """A step failed (the worker raised, or the plan did not encode). Fail only its cause.
+
+        The request on probation (a suspect running its first step since quarantine), or the only
+        request of the step, is the cause: it ends with ``error``. Otherwise every request of the
+        step is a suspect: each is quarantined and later runs one step with no other suspect before
+        it is cleared. Either way the worker's state is no longer trusted: it is restarted and every
+        live request recomputes (`_recover`).
+        """
+        streams = {self.output.owner[rid] for rid in step.num_scheduled_tokens if rid in self.output.owner}
+        log.error("step failed", step_id=step.plan.step_id, error=error, request_ids=sorted(s.request_id for s in streams))
+        cause = self._probation if self._probation in streams else (next(iter(streams)) if len(streams) == 1 else None)
+        if cause is not None:
+            self._end_stream(cause, RequestStatus.FINISHED_ERROR, error)
+            self._probation = None
+        else:
+            for stream in sorted(streams, key=lambda x: x.arrival_time):
+                self._quarantine.append(stream)
+        await self._recover(error)
+
+    def _release_from_quarantine(self) -> None:
+        """Requeue the next quarantined suspect once no other one is on probation."""
+        while self._probation is None and self._quarantine:
+            stream = self._quarantine.popleft()
+            if stream.request_id not in self.output.streams:
+                continue  # aborted meanwhile
+            self._probation = stream
+            for req in stream.queued:
+                self.scheduler.add(req)
+            stream.queued = []
+            self._wake.set()
+
+    async def _recover(self, reason: str) -> None:
+        """Replace a failed worker and recompute every live request; raise _EngineFailed when out of restarts.
+
+        The old worker (group) is killed for certain; a new one starts after a backoff
+        (``--max-worker-restarts`` consecutive restarts at most; a worker that lived
+        _RESTART_RESET_SECONDS resets the count) and gets a fresh KV pool; every request in flight
+        (running, waiting or swapped) is requeued for recompute from its prompt plus the tokens it
+        already produced, so streams go on with no token lost or repeated and seeded sampling (a
+        function of seed and output index) gives what an uninterrupted run gives. While this runs,
+        /health says 503 "recovering: <why>"; each recovery is counted
+        (``pagedkv:worker_restarts_total``) and traced (a ``worker.recovery`` span).
+        """
+        started = time.monotonic()
+        if self._new_kv is None:  # built around a given allocator (tests): no pool to rebuild
+            self._fail_all(reason)
+            raise _EngineFailed
+        if started - self._last_restart >= _RESTART_RESET_SECONDS:
+            self._restarts = 0
+        self._recovering = reason
+        log.error("worker failed", error=reason, max_worker_restarts=self.config.max_worker_restarts)
+        await self.client.close()  # kills a dead or stalled worker for certain
+        while True:
+            if self._restarts >= self.config.max_worker_restarts:
+                self._fail_all(f"{reason} (after {self._restarts} worker restarts, --max-worker-restarts "
+                               f"{self.config.max_worker_restarts})")
+                raise _EngineFailed
+            delay = _RESTART_BACKOFF_SECONDS[min(self._restarts, len(_RESTART_BACKOFF_SECONDS) - 1)]
+            self._restarts += 1
+            self._recovering = f"{reason}; restart {self._restarts} of {self.config.max_worker_restarts}"
+            await asyncio.sleep(delay)
+            self._apply_aborts()  # clients that left meanwhile
+            client = WorkerClient(self.config, self._worker_args.get("address"),
+                                  spawn=self._worker_args.get("spawn", True), secret=self._worker_args.get("secret"))
+            try:
+                await client.start()
+                await client.init_cache(*self._pool_blocks)
+            except asyncio.CancelledError:  # shut down mid-restart: leave no worker behind
+                client.failed = "shut down during a restart"
+                await client.close()
+                raise
+            except Exception as e:  # noqa: BLE001 - any start failure counts as a failed restart
+                log.error("worker restart failed", error=str(e), restart=self._restarts)
+                client.failed = client.failed or str(e)
+                await client.close()
+                reason = f"worker restart failed: {e}"
+                continue
+            break
+        self.client = client
+        num_requeued = self._requeue_all_for_recompute()
+        self._last_restart = time.monotonic()
+        self._recovering = None
+        self.metrics.on_worker_restart()
+        if self.tracer is not None:
+            self.tracer.worker_recovery(reason, started, self._last_restart, self._restarts, num_requeued)
+        log.info("worker recovered", restart=self._restarts, requests_requeued=num_requeued,
+                 seconds=round(self._last_restart - started, 3))
+
+    def _requeue_all_for_recompute(self) -> int:
+        """A fresh KV allocator and scheduler; every live sequence back in the waiting queue with nothing computed.
+
+        Each sibling group comes back as a preempted one does (`Scheduler._requeue`): its first
+        member leads, recomputes the shared prompt and the others fork from it, so the group needs
+        no more blocks than when first admitted. Groups keep their arrival order. Quarantined
+        streams keep their sequences aside (`RequestStream.queued`) until released. Returns the
+        number of sequences requeued.
+        """
+        old = self.scheduler
+        live = sorted((r for r in old.requests.values() if not r.status.finished), key=lambda r: r.arrival_time)
+        live_ids = {id(r) for r in live}
+        self.kv = self._new_kv()
+        self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens, old.policy)
+        self.output.scheduler = self.scheduler
+        for req in live:
+            req.status, req.num_computed_tokens, req.block_table, req.num_named_blocks = RequestStatus.WAITING, 0, [], 0
+            req.in_worker, req.unsent_token_ids, req.pending_forks = False, [], []
+            req.num_preemptions += 1
+        quarantined = set(map(id, self._quarantine))
+        seen: set[int] = set()
+        for req in live:
+            if id(req.group) in seen:
+                continue
+            seen.add(id(req.group))
+            members = [m for m in req.group if id(m) in live_ids]
+            leader = members[0]
+            if len(members) > 1 and leader.fork_point > 0:
+                leader.pending_forks, members = members[1:], [leader]
+            stream = self.output.owner.get(leader.request_id)
+            for m in members:
+                if stream is not None and id(stream) in quarantined:
+                    stream.queued.append(m)
+                else:
+                    self.scheduler.add(m)
+        self._wake.set()
+        return len(live)
 
     def _record_preemptions(self, step: ScheduledStep) -> None:
         """Count, log and trace a step's preemptions (one per preempted sequence), resumptions and swaps."""
@@ -305,6 +516,10 @@ class Engine:
     def _close(self, stream: RequestStream, status: RequestStatus, error: str | None = None) -> None:
         """Forget a finished request; record its metrics, end its span and write its one log line."""
         self.output.forget(stream)
+        if stream in self._quarantine:
+            self._quarantine.remove(stream)
+        if self._probation is stream:
+            self._probation = None
         now = time.monotonic()
         self.metrics.on_finished(status.finish_reason, now - stream.arrival_time)
         if self.advisor is not None and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
@@ -326,11 +541,15 @@ class Engine:
                  **({"error": error} if error else {}))
 
     def _fail_all(self, error: str) -> None:
-        """The worker is gone: fail every request with a clear message; the engine stops serving."""
+        """The engine cannot go on: fail every request with a clear message, stop serving, and set
+        `failed` (``pagedkv serve`` then exits non-zero so a supervisor restarts it)."""
         self._error = error
+        self._recovering = None
         log.error("engine failed", error=error)
         for stream in list(self.output.streams.values()):
             self._end_stream(stream, RequestStatus.FINISHED_ERROR, error)
+        self.failed.set()
+
 
     # ---- introspection and shutdown -------------------------------------------------------
 
@@ -354,6 +573,28 @@ class Engine:
             for r in self.scheduler.requests.values()
         ]
         return snap
+
+    def abort_all(self) -> None:
+        """Abort every request (applied between steps)."""
+        for rid in list(self.output.streams):
+            self.abort(rid)
+
+    async def drain(self, timeout: float) -> None:
+        """Graceful shutdown, first half: refuse new requests (`accepting` turns false, /health 503
+        "draining"), let those in flight finish for up to ``timeout`` seconds, then abort the rest.
+        Call `shutdown` after."""
+        self._draining = True
+        log.info("draining", requests=len(self.output.streams), timeout_s=timeout)
+        deadline = time.monotonic() + timeout
+        while self.output.streams and time.monotonic() < deadline and not self.failed.is_set():
+            await asyncio.sleep(0.05)
+        if self.output.streams:
+            log.warning("drain deadline passed; aborting", requests=sorted(self.output.streams))
+            self.abort_all()
+            for _ in range(100):  # the loop applies aborts between steps
+                if not self.output.streams or self._task is None or self._task.done():
+                    break
+                await asyncio.sleep(0.05)
 
     async def shutdown(self) -> None:
         """Abort everything, stop the loop, stop the worker."""

@@ -40,6 +40,7 @@ class Metrics:
         self.blocks_swapped_in = Counter("pagedkv:num_blocks_swapped_in", "KV blocks copied from the host pool back to the device pool.", labels, registry=r)
         self.request_preemptions = Histogram("pagedkv:request_num_preemptions", "Preemptions of each finished request (all its sequences).", labels, buckets=_COUNT_BUCKETS, registry=r)
         self.world_size = Gauge("pagedkv:world_size", "Worker ranks serving the model (tensor parallel size).", labels, registry=r)
+        self.worker_restarts = Counter("pagedkv:worker_restarts", "Worker (group) restarts after a failure; each requeues every live request for recompute.", labels, registry=r)
         self.model_name = model_name
         self._l = {"model_name": model_name}
         # Every series exists from the first scrape (zero until something happens), so a dashboard
@@ -83,3 +84,6 @@ class Metrics:
     def on_finished(self, reason: str, e2e_seconds: float) -> None:
         self.request_success.labels(finished_reason=reason, **self._l).inc()
         self.e2e.labels(**self._l).observe(e2e_seconds)
+
+    def on_worker_restart(self) -> None:
+        self.worker_restarts.labels(**self._l).inc()

@@ -90,6 +90,7 @@ class RequestStream:
         # per prompt position, filled as prefill chunks report them (a recompute refills the same values)
         self.prompt_logprobs: list[TokenLogprob | None] | None = None  # sized by OutputProcessor.add
         self.prompt_logprobs_sent: set[int] = set()  # choice indices whose first delta carried them
+        self.queued: list[Request] = []  # its sequences set aside while quarantined (Engine._step_failed)
 
     @property
     def done(self) -> bool:

@@ -92,6 +92,10 @@ class Tokenizer:
         self.bos_token_id = bos_token_id
         self.eos_token_ids = eos_token_ids
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        # No token covers more characters than its longest piece spells (SentencePiece and byte-level
+        # BPE pieces are at least as long as the text they cover), so a text of more than
+        # max_token_chars x N characters has more than N tokens: refused without tokenizing it.
+        self.max_token_chars = max((len(p) for p in tok.get_vocab(with_added_tokens=True)), default=1)
         self.chat_template = chat_template
         self.special_token_ids = frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
         self._add_bos = add_bos
@@ -148,7 +152,9 @@ class Tokenizer:
         that already starts with the BOS string (a rendered chat template) gets no second BOS.
         Without it the ids are the text's alone (as transformers does for chat templates).
         """
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL (encode does not): a long prompt tokenized in a thread then
+        # leaves the event loop running
+        ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         bos = self.bos_token_id
         if not add_special_tokens or bos is None:
             return ids

@@ -5,14 +5,26 @@ either spawns the ranks itself (``python -m pagedkv.worker --connect ADDR --rank
 --dist-init-method tcp://127.0.0.1:PORT``) or waits for ranks started on their own (``pagedkv worker
 --connect ADDR --rank R ...``, on any host). Each message is encoded once and the same bytes go to
 every rank. Every reply has a deadline: a rank that dies, stops answering or fails a step in a group
-raises `WorkerFailed` instead of being waited on forever.
+raises `WorkerFailed` instead of being waited on forever, and failed spawned ranks are killed
+(SIGKILL), never left holding their pools.
+
+Every frame is sealed with an HMAC under a secret shared with the workers (`common.protocol.Channel`):
+a fresh random one per start for spawned ranks (handed over in their environment), the operator's
+(``--worker-secret-file`` or ``$PAGEDKV_WORKER_SECRET``) for external ones. Frames without a valid
+MAC, or from any peer but the registered ranks, are dropped and logged, never decoded. The one
+exception is an authenticated Register from a new peer to a lone external worker's socket: its
+supervisor restarted it, so the old one is gone; the client fails (`WorkerFailed`) and
+`forget_worker` lets the engine take the new one on the same socket.
 """
 
 from __future__ import annotations
 
 import asyncio
+import glob
 import logging
 import os
+import re
+import secrets
 import socket
 import subprocess
 import sys
@@ -42,6 +54,36 @@ def default_worker_address() -> str:
     return f"ipc://{tempfile.gettempdir()}/pagedkv-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
 
 
+def remove_stale_sockets() -> list[str]:
+    """Unlink the default ipc socket files of control planes that are gone (killed with -9, say).
+
+    Returns the paths removed. A file whose pid is alive is left alone.
+    """
+    removed = []
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), "pagedkv-*-*.sock")):
+        m = re.fullmatch(r"pagedkv-(\d+)-[0-9a-f]{8}\.sock", os.path.basename(path))
+        if m is None or _pid_alive(int(m.group(1))):
+            continue
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            pass
+    if removed:
+        log.info("removed stale ipc socket files", paths=removed)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _free_loopback_port() -> int:
     """A TCP port free on 127.0.0.1 now, for the spawned ranks' rendezvous (rank 0 listens on it)."""
     with socket.socket() as s:
@@ -56,18 +98,32 @@ class WorkerClient:
     each start-up phase (load, profile, allocate) may take up to the larger of it and 600 s.
     """
 
-    def __init__(self, config: EngineConfig, address: str | None = None, spawn: bool = True):
+    def __init__(self, config: EngineConfig, address: str | None = None, spawn: bool = True,
+                 secret: bytes | None = None):
         self.config = config
+        if address is None:
+            remove_stale_sockets()
         self.address = address or default_worker_address()
         self.spawn = spawn
         self.timeout = config.worker_timeout
         self.world_size = config.tensor_parallel_size
         self.processes: list[subprocess.Popen] = []  # spawned ranks, in rank order
+        if secret is None:
+            if not spawn:
+                raise ValueError(f"an external worker needs the shared worker secret: --worker-secret-file "
+                                 f"or {protocol.SECRET_ENV}")
+            secret = secrets.token_hex(32).encode()  # per start: spawned ranks get it in their environment
+        self._secret = secret
+        self._channel = protocol.Channel(secret)
+        self._dropped = 0  # frames dropped since the last log line
+        self._dropped_logged_at = 0.0
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(self.address)
         self._identities: list[bytes] = []  # ZeroMQ identity of each rank, in rank order
+        self._registering: set[bytes] = set()  # peers whose authenticated Register was taken by `start`
+        self._successor: tuple[bytes, protocol.Register] | None = None  # a new external worker's Register
         self.failed: str | None = None
 
     @property
@@ -86,6 +142,7 @@ class WorkerClient:
         n = self.world_size
         if self.spawn:
             env = dict(os.environ, PAGEDKV_PARENT_PID=str(os.getpid()))
+            env[protocol.SECRET_ENV] = self._secret.decode()
             rendezvous = f"tcp://127.0.0.1:{_free_loopback_port()}"
             # the ranks log at the control plane's level (debug: tracebacks of their failures)
             level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
@@ -103,8 +160,11 @@ class WorkerClient:
         deadline = time.monotonic() + (register_timeout if not self.spawn else start_timeout)
         while len(by_rank) < n:
             missing = [r for r in range(n) if r not in by_rank]
-            identity, msg = await self._recv_any(deadline, register_timeout if not self.spawn else start_timeout,
-                                                 f"rank {missing[0]}" if len(missing) == 1 else f"ranks {missing}")
+            if self._successor is not None:  # it registered while its predecessor was still ours
+                (identity, msg), self._successor = self._successor, None
+            else:
+                identity, msg = await self._recv_any(deadline, register_timeout if not self.spawn else start_timeout,
+                                                     f"rank {missing[0]}" if len(missing) == 1 else f"ranks {missing}")
             if not isinstance(msg, protocol.Register):
                 raise WorkerFailed(f"expected Register from the worker, got {type(msg).__name__}")
             if msg.protocol_version != protocol.PROTOCOL_VERSION:
@@ -114,11 +174,13 @@ class WorkerClient:
                 raise WorkerFailed(f"a worker registered as rank {msg.rank} of {msg.world_size}; this control "
                                    f"plane needs ranks 0..{n - 1} of {n} once each (--tensor-parallel-size {n})")
             by_rank[msg.rank] = identity
+            self._registering.add(identity)
         self._identities = [by_rank[r] for r in range(n)]
+        self._registering = set()
         log.info("loading the model and profiling memory", model=self.config.model or "embedded",
                  load_format=self.config.load_format, world_size=n)
         for rank in range(n):
-            await self._send_to(rank, protocol.encode(protocol.LoadModel(self.config, rank, n)))
+            await self._send_to(rank, self._channel.seal_to_worker(protocol.LoadModel(self.config, rank, n)))
         hellos = await self._gather(protocol.WorkerHello, start_timeout)
         if len({(h.dtype, h.kv_bytes_per_block) for h in hellos}) > 1:
             raise WorkerFailed("ranks disagree on dtype or KV block size: "
@@ -153,7 +215,7 @@ class WorkerClient:
         return results[0]
 
     async def _broadcast(self, msg) -> None:
-        payload = protocol.encode(msg)  # encoded once; the same bytes go to every rank
+        payload = self._channel.seal_to_worker(msg)  # encoded and sealed once; the same bytes go to every rank
         for rank in range(len(self._identities)):
             await self._send_to(rank, payload)
 
@@ -201,12 +263,52 @@ class WorkerClient:
                 self.failed = f"{who} did not answer within {timeout:g} s (--worker-timeout)"
                 raise WorkerFailed(self.failed)
             if await self._sock.poll(timeout=int(min(_POLL_SECONDS, remaining) * 1000)):
-                identity, payload = await self._sock.recv_multipart()
-                msg = protocol.decode_from_worker(payload)
+                frames = await self._sock.recv_multipart()
+                msg = self._open(frames)
+                if self.failed is not None:  # a new worker registered in this one's place
+                    raise WorkerFailed(self.failed)
+                if msg is None:
+                    continue
                 if isinstance(msg, protocol.WorkerError):
                     self.failed = f"worker error: {msg.message}"
                     raise WorkerFailed(self.failed)
-                return identity, msg
+                return frames[0], msg
+
+    def _open(self, frames: list[bytes]):
+        """The verified message of a ROUTER delivery, or None when it was dropped (and counted).
+
+        Before the group is complete, an authenticated Register from a new peer is taken (`start`
+        checks its rank); after, only the registered ranks are heard.
+        """
+        why = None
+        registered = bool(self._identities)
+        if len(frames) != 2:
+            why = f"{len(frames)} frames"
+        else:
+            try:  # verified before decoded, like every frame
+                msg = self._channel.open_from_worker(frames[1])
+            except protocol.Unauthenticated as e:
+                why = str(e)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                why = f"an authenticated but malformed message: {e}"
+            else:
+                known = frames[0] in self._identities or frames[0] in self._registering
+                if registered and not known:
+                    why = "a peer other than the registered workers"
+                    if isinstance(msg, protocol.Register) and not self.spawn and self.world_size == 1:
+                        self._successor = (frames[0], msg)
+                        self.failed = f"a new worker (pid {msg.pid}) registered: the previous one is gone"
+                        return None
+                elif not registered and not known and not isinstance(msg, protocol.Register):
+                    why = f"{type(msg).__name__} before Register"
+                else:
+                    return msg
+        self._dropped += 1
+        now = time.monotonic()
+        if now - self._dropped_logged_at >= 1.0:  # a flood of junk must not flood the log
+            log.warning("dropped worker-channel messages", address=self.address, count=self._dropped, last=why)
+            self._dropped, self._dropped_logged_at = 0, now
+        return None
 
     def _check_processes(self) -> None:
         """Raise WorkerFailed naming the first spawned rank that has exited."""
@@ -216,16 +318,58 @@ class WorkerClient:
                 self.failed = f"{who} process exited with code {code}"
                 raise WorkerFailed(self.failed)
 
+    async def check_alive(self) -> None:
+        """Raise WorkerFailed when the worker is known to be gone: a spawned rank that exited, or an
+        external worker whose successor registered. Never waits; for an idle engine."""
+        if self.failed is None:
+            try:
+                self._check_processes()
+            except WorkerFailed:
+                pass  # self.failed says why
+        while self.failed is None and self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if (msg := self._open(await self._sock.recv_multipart())) is not None:
+                log.warning("dropped an unexpected message from an idle worker", type=type(msg).__name__)
+        if self.failed is not None:
+            raise WorkerFailed(self.failed)
+
+    async def forget_worker(self) -> None:
+        """External workers failed: keep the bound socket for the ones their supervisor starts next.
+
+        The old ranks, should they still run, are told to shut down and their frames are dropped
+        from now on; the next workers to register (perhaps already, `_successor`) are taken by `start`.
+        """
+        if self._identities:
+            payload = self._channel.seal_to_worker(protocol.Shutdown())
+            for identity in self._identities:
+                try:
+                    await self._sock.send_multipart([identity, payload], flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+        self._identities, self.failed = [], None
+
+    async def kill(self) -> None:
+        """Kill every spawned rank for certain (SIGKILL) and reap it: a failed worker must not hold its pool.
+
+        External ranks cannot be killed from here: they see the control plane's socket close (or
+        get Shutdown) and exit; their supervisor restarts them.
+        """
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+        for process in self.processes:
+            await asyncio.get_running_loop().run_in_executor(None, process.wait)
+
     async def close(self) -> None:
-        """Ask every rank to exit, then make sure the spawned ones did; release the socket."""
+        """Ask every rank to exit, then make sure the spawned ones did; release the socket. Idempotent."""
+        if self._sock.closed:
+            return
         if self._identities and self.failed is None:
             try:
                 await self._broadcast(protocol.Shutdown())
             except zmq.ZMQError:
                 pass
-        for process in self.processes:
-            if self.failed is not None and process.poll() is None:
-                process.terminate()  # the group failed: do not wait for a rank stuck in a collective to notice
+        if self.failed is not None:
+            await self.kill()  # died or missed a deadline: do not wait for a rank stuck in a collective to notice
         for process in self.processes:
             try:
                 await asyncio.get_running_loop().run_in_executor(None, process.wait, 10)

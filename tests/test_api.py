@@ -521,7 +521,9 @@ async def test_kv_cache_shows_a_live_request_block_table(http):
     await resp.content.readuntil(b"\n\n")  # the first token: the request is running
     snap = await (await http.get("/kv_cache")).json()
     [req] = snap["requests"]
-    assert req["id"].startswith("cmpl-")
+    assert req["id"].startswith("sha256:")  # ids are hashed unless asked for
+    raw = await (await http.get("/kv_cache?request_ids=raw")).json()
+    assert raw["requests"][0]["id"].startswith("cmpl-")
     assert req["num_tokens"] >= 6
     assert len(req["block_table"]) == math.ceil(req["num_tokens"] / 16) or \
         len(req["block_table"]) == math.ceil((req["num_tokens"] + 1) / 16)
@@ -593,6 +595,9 @@ class FailingEngine:
         self.random_weights = False
         self.healthy = False
         self.aborted: list[str] = []
+
+    def health(self):
+        return False, "failed: worker died"
 
     def add_request(self, prompt_token_ids, params, request_id=None, **extra):
         async def outputs():

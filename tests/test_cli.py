@@ -48,11 +48,17 @@ BAD_FLAGS = [
                                     "max_position_embeddings (2048)"),
     (["--external-worker"], "--external-worker needs --worker-address"),
     (["--worker-address", "localhost:5555"], "--worker-address must start with ipc:// or tcp://"),
+    (["--external-worker", "--worker-address", "tcp://127.0.0.1:5555"],
+     "--external-worker needs the worker-channel secret: --worker-secret-file PATH or PAGEDKV_WORKER_SECRET"),
+    (["--worker-secret-file", "/nonexistent/secret"], "--worker-secret-file: [Errno 2]"),
+    (["--api-key", ""], "--api-key: keys must not be empty"),
+    (["--max-choices", "0"], "argument --max-choices: must be >= 1, got 0"),
 ]
 
 
 @pytest.mark.parametrize("flags,message", BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
-def test_bad_serve_flag_is_an_error_naming_it(capsys, flags, message):
+def test_bad_serve_flag_is_an_error_naming_it(capsys, monkeypatch, flags, message):
+    monkeypatch.delenv("PAGEDKV_WORKER_SECRET", raising=False)
     with pytest.raises(SystemExit) as e:
         main(["serve", "--port", "0", *flags])  # port 0: never collide with a real server
     assert e.value.code == 2
@@ -193,10 +199,13 @@ def test_serve_started_among_common_worker_kernels_scheduler_py_serves_the_golde
 def test_serve_embedded_default_with_an_external_worker_says_weights_are_random(tmp_path):
     address = f"ipc://{tmp_path}/w.sock"
     serve = None
-    worker = subprocess.Popen([*PAGEDKV, "worker", "--connect", address], cwd=REPO,
+    secret = tmp_path / "worker-secret"
+    secret.write_text("s3cret-" * 8 + "\n")
+    worker = subprocess.Popen([*PAGEDKV, "worker", "--connect", address, "--secret-file", str(secret)], cwd=REPO,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        serve = Server("--external-worker", "--worker-address", address, *SMALL_POOL)
+        serve = Server("--external-worker", "--worker-address", address, "--worker-secret-file", str(secret),
+                       *SMALL_POOL)
         warning = next(e for e in serve.events if e["event"] == "model weights are RANDOM: outputs are noise")
         assert warning["level"] == "warning"
         assert serve.events[-1]["random_weights"] is True

@@ -35,8 +35,9 @@ CONTROL_PLANE = "control-plane"
 WORKERS = ("worker", "worker-gpu")
 
 # Compose's interpolation (https://docs.docker.com/reference/compose-file/interpolation/), the
-# subset the compose file uses: $$, ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:+alt}, ${VAR+alt}.
-_VAR = re.compile(r"\$(\$|\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-+])([^}]*))?\})")
+# subset the compose file uses: $$, ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:+alt}, ${VAR+alt},
+# ${VAR:?error} (required: unset or empty is an error).
+_VAR = re.compile(r"\$(\$|\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-+?])([^}]*))?\})")
 
 
 def _interpolate(value, env: dict[str, str]):
@@ -57,13 +58,20 @@ def _interpolate(value, env: dict[str, str]):
             return val if present else word
         if op in (":+", "+"):
             return word if present else ""
+        if op in (":?", "?"):
+            if not present:
+                raise ValueError(f"compose: required variable {name} is missing: {word}")
+            return val
         return val or ""
 
     return _VAR.sub(sub, value)
 
 
+SECRET = "0123456789abcdef" * 4  # PAGEDKV_WORKER_SECRET, which the compose file requires
+
+
 def _load(path: Path, env: dict[str, str] | None) -> dict:
-    return _interpolate(yaml.safe_load(path.read_text()), env or {})
+    return _interpolate(yaml.safe_load(path.read_text()), {"PAGEDKV_WORKER_SECRET": SECRET, **(env or {})})
 
 
 def _merge(services: dict, override: dict) -> dict:
@@ -137,8 +145,21 @@ def model_dir(tmp_path: Path) -> Path:
 
 # ---- the pagedkv commands ---------------------------------------------------------------------
 
-def test_control_plane_command_parses_with_the_real_cli_and_waits_for_an_external_worker():
+def test_compose_refuses_to_start_without_the_worker_secret():
+    raw = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    with pytest.raises(ValueError, match="PAGEDKV_WORKER_SECRET"):
+        _interpolate(raw, {})
+
+
+def test_control_plane_and_workers_share_the_worker_secret():
     services = _compose()["services"]
+    for name in (CONTROL_PLANE, *WORKERS):
+        assert services[name]["environment"]["PAGEDKV_WORKER_SECRET"] == SECRET, name
+
+
+def test_control_plane_command_parses_with_the_real_cli_and_waits_for_an_external_worker(monkeypatch):
+    services = _compose()["services"]
+    monkeypatch.setenv("PAGEDKV_WORKER_SECRET", services[CONTROL_PLANE]["environment"]["PAGEDKV_WORKER_SECRET"])
     args = _parse_pagedkv(services[CONTROL_PLANE])
     assert args.command == "serve"
     assert args.external_worker is True
@@ -218,8 +239,11 @@ def test_gpu_profile_worker_reserves_a_gpu_and_runs_the_same_command():
 
 # ---- the local override (ops/docker-compose.local.yml, what ops/compose_check.sh starts) --------
 
-def test_local_override_puts_every_started_service_on_the_host_network_bound_to_loopback(model_dir: Path):
+def test_local_override_puts_every_started_service_on_the_host_network_bound_to_loopback(model_dir: Path,
+                                                                                          monkeypatch):
     services = _local({"MODEL": str(model_dir)})
+    # the control plane gets the worker secret from the base file's environment, as Compose merges it
+    monkeypatch.setenv("PAGEDKV_WORKER_SECRET", _compose()["services"][CONTROL_PLANE]["environment"]["PAGEDKV_WORKER_SECRET"])
     assert set(services) == {CONTROL_PLANE, "worker", "prometheus"}
     assert all(svc["network_mode"] == "host" for svc in services.values())
     serve = _parse_pagedkv(services[CONTROL_PLANE])

@@ -149,7 +149,7 @@ async def test_the_loop_sleeps_instead_of_sending_empty_plans_when_nothing_can_r
 
 
 async def test_a_dead_worker_fails_requests_in_flight_with_a_clear_error(start):
-    engine = await start()
+    engine = await start(max_worker_restarts=0)  # recovery off (tests/test_worker_recovery.py has it on)
     stream = engine.add_request(GOLDEN_PROMPT_IDS, SamplingParams(temperature=0, max_tokens=400))
     await stream.__anext__()
     engine.client.process.kill()
@@ -161,13 +161,12 @@ async def test_a_dead_worker_fails_requests_in_flight_with_a_clear_error(start):
 
 
 async def test_a_stalled_worker_is_detected_by_the_deadline(start):
-    engine = await start(worker_timeout=1.0)
-    os.kill(engine.client.process.pid, signal.SIGSTOP)
-    try:
-        _, _, last = await collect(engine.add_request(GOLDEN_PROMPT_IDS, GREEDY))
-    finally:
-        os.kill(engine.client.process.pid, signal.SIGCONT)
+    engine = await start(worker_timeout=1.0, max_worker_restarts=0)
+    process = engine.client.process
+    os.kill(process.pid, signal.SIGSTOP)
+    _, _, last = await collect(engine.add_request(GOLDEN_PROMPT_IDS, GREEDY))
     assert last.finish_reason == "error" and "did not answer within 1 s" in last.error
+    assert process.poll() == -signal.SIGKILL  # killed for certain, not left holding its pool
 
 
 def test_the_worker_is_its_own_process_and_the_control_plane_never_loads_torch(stories260k):

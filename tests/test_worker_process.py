@@ -12,13 +12,14 @@ import zmq
 from conftest import GOLDEN_PROMPT_IDS
 
 from pagedkv.common.config import EngineConfig
-from pagedkv.common.protocol import (PROTOCOL_VERSION, CachedRequestData, InitCache, LoadModel, NewRequestData, Register,
-                             Shutdown, StepPlan, StepResult, WorkerError, WorkerHello, WorkerReady,
-                             decode_from_worker, encode)
+from pagedkv.common.protocol import (PROTOCOL_VERSION, SECRET_ENV, CachedRequestData, Channel, InitCache, LoadModel,
+                                     NewRequestData, Register, Shutdown, StepPlan, StepResult, WorkerError,
+                                     WorkerHello, WorkerReady, encode)
 from pagedkv.common.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_MS = 60_000
+SECRET = b"test-secret-0123456789abcdef"
 
 
 class Stub:
@@ -31,17 +32,19 @@ class Stub:
         self.address = f"ipc://{tmp_path}/worker.sock"
         self.sock.bind(self.address)
         self.proc = subprocess.Popen([sys.executable, "-m", "pagedkv.worker", "--connect", self.address], cwd=REPO,
-                                     env=dict(os.environ, **(env or {})), stderr=subprocess.PIPE, text=True)
+                                     env=dict(os.environ, **{SECRET_ENV: SECRET.decode(), **(env or {})}),
+                                     stderr=subprocess.PIPE, text=True)
+        self.channel = Channel(SECRET)
         self.identity = None
 
     def recv(self):
         if not self.sock.poll(TIMEOUT_MS):
             raise AssertionError(f"worker sent nothing within {TIMEOUT_MS} ms; stderr: {self.stderr()}")
         self.identity, payload = self.sock.recv_multipart()
-        return decode_from_worker(payload)
+        return self.channel.open_from_worker(payload)
 
     def send(self, msg) -> None:
-        self.sock.send_multipart([self.identity, encode(msg)])
+        self.sock.send_multipart([self.identity, self.channel.seal_to_worker(msg)])
 
     def stderr(self) -> str:
         if self.proc.poll() is None:
@@ -133,3 +136,28 @@ def test_worker_exits_when_its_parent_process_is_gone(tmp_path):
 def test_missing_connect_flag_is_named():
     proc = subprocess.run([sys.executable, "-m", "pagedkv.worker"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--connect" in proc.stderr
+
+
+def test_worker_drops_unsealed_forged_and_junk_frames_and_keeps_serving(stub, stories260k):
+    """Only frames sealed with the shared secret are decoded: a plan sent bare, one sealed with another
+    secret, and random bytes change nothing; the next genuine plan is served."""
+    start(stub, EngineConfig(model=str(stories260k), device="cpu"))
+    greedy = SamplingParams(temperature=0.0)
+    forged = StepPlan(step_id=9, new_requests=[NewRequestData("evil", GOLDEN_PROMPT_IDS, 5, [0], 0, 5, greedy)])
+    stub.sock.send_multipart([stub.identity, encode(forged)])
+    stub.sock.send_multipart([stub.identity, Channel(b"another-secret-0123456789").seal_to_worker(forged)])
+    stub.sock.send_multipart([stub.identity, os.urandom(200)])
+    stub.sock.send_multipart([stub.identity, stub.channel.seal_from_worker(StepResult(step_id=9))])  # reflected
+    stub.send(StepPlan(step_id=10, new_requests=[NewRequestData("r", GOLDEN_PROMPT_IDS, 5, [0], 0, 5, greedy)]))
+    result = stub.recv()
+    assert result.step_id == 10 and [(s.request_id, s.token_id) for s in result.sampled] == [("r", 432)]
+    stub.send(Shutdown())
+    assert stub.proc.wait(timeout=30) == 0
+    assert stub.proc.communicate()[1].count("dropped a message") == 4
+
+
+def test_worker_without_a_secret_refuses_to_start():
+    env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}
+    proc = subprocess.run([sys.executable, "-m", "pagedkv.worker", "--connect", "ipc:///nowhere"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and SECRET_ENV in proc.stderr

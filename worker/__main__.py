@@ -1,4 +1,8 @@
-"""``python -m pagedkv.worker --connect ADDR``: start one worker process (how the control plane spawns them)."""
+"""``python -m pagedkv.worker --connect ADDR``: start one worker process (how the control plane spawns them).
+
+The worker-channel secret comes from ``--secret-file`` or ``$PAGEDKV_WORKER_SECRET`` (a spawned
+worker gets its parent's per-start secret in that variable).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import argparse
 import logging
 
 from pagedkv.common.config import add_rank_arguments, check_rank_arguments
+from pagedkv.common.protocol import SECRET_ENV, load_secret
 from pagedkv.worker.worker import run
 
 
@@ -13,13 +18,20 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m pagedkv.worker", description="pagedkv worker process")
     parser.add_argument("--connect", required=True, metavar="ADDR",
                         help="the control plane's ZeroMQ address, e.g. ipc:///tmp/pagedkv.sock or tcp://host:5555")
+    parser.add_argument("--secret-file", metavar="PATH", help=f"the worker-channel secret (default: ${SECRET_ENV})")
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     add_rank_arguments(parser)
     args = parser.parse_args(argv)
     check_rank_arguments(args, parser)
+    try:
+        secret = load_secret(args.secret_file)
+    except (OSError, ValueError) as e:
+        parser.error(f"--secret-file: {e}")
+    if secret is None:
+        parser.error(f"no worker-channel secret: give --secret-file or set {SECRET_ENV}")
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s worker rank {args.rank} %(levelname)s %(message)s")
-    run(args.connect, args.rank, args.world_size, args.dist_init_method)
+    run(args.connect, secret, args.rank, args.world_size, args.dist_init_method)
 
 
 if __name__ == "__main__":

@@ -18,14 +18,15 @@ import os
 import sys
 import time
 
+import msgspec
 import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from pagedkv.common.config import EngineConfig, ModelConfig
-from pagedkv.common.protocol import (PROTOCOL_VERSION, InitCache, LoadModel, Register, SampledToken, Shutdown,
-                                     StepPlan, StepResult, WorkerError, WorkerHello, WorkerReady, decode_to_worker,
-                                     encode)
+from pagedkv.common.protocol import (PROTOCOL_VERSION, Channel, InitCache, LoadModel, Register, SampledToken,
+                                     Shutdown, StepPlan, StepResult, Unauthenticated, WorkerError, WorkerHello,
+                                     WorkerReady)
 from pagedkv.worker.cache_engine import measure_swap_bandwidth
 from pagedkv.worker.model_loader import torch_dtype
 from pagedkv.worker.model_runner import ModelRunner
@@ -138,14 +139,17 @@ def _parent_alive(parent_pid: int | None) -> bool:
 _original_ppid = os.getppid()
 
 
-def run(address: str, rank: int = 0, world_size: int = 1, init_method: str | None = None) -> None:
+def run(address: str, secret: bytes, rank: int = 0, world_size: int = 1, init_method: str | None = None) -> None:
     """Serve the control plane at ``address`` (``ipc://...`` or ``tcp://host:port``) until Shutdown.
 
     rank, world_size: this process's place in a tensor-parallel group; init_method: the group's
-    rendezvous (``tcp://HOST:PORT`` where rank 0 listens). Exits the process with status 1 after a
+    rendezvous (``tcp://HOST:PORT`` where rank 0 listens). secret: the worker-channel secret shared
+    with the control plane (`common.protocol.Channel`); frames that do not carry its MAC are dropped
+    and logged, never decoded. Exits the process with status 1 after a
     failed LoadModel/InitCache (a WorkerError is sent first) or, in a group, a failed step (its
     StepResult error is sent first); returns when told to shut down or when the control plane is gone.
     """
+    channel = Channel(secret)
     parent = os.environ.get("PAGEDKV_PARENT_PID")
     parent_pid = int(parent) if parent else None
     ctx = zmq.Context()
@@ -159,7 +163,7 @@ def run(address: str, rank: int = 0, world_size: int = 1, init_method: str | Non
     runner: ModelRunner | None = None
     linger_ms = 0
     try:
-        sock.send(encode(Register(protocol_version=PROTOCOL_VERSION, pid=os.getpid(), rank=rank,
+        sock.send(channel.seal_from_worker(Register(protocol_version=PROTOCOL_VERSION, pid=os.getpid(), rank=rank,
                                   world_size=world_size)))
         while True:
             events = dict(poller.poll(POLL_MS))
@@ -171,7 +175,12 @@ def run(address: str, rank: int = 0, world_size: int = 1, init_method: str | Non
                 return
             if sock not in events:
                 continue
-            msg = decode_to_worker(sock.recv())
+            frame = sock.recv()
+            try:
+                msg = channel.open_to_worker(frame)
+            except (Unauthenticated, msgspec.DecodeError, msgspec.ValidationError) as e:
+                log.warning("dropped a message from %s: %s", address, e)
+                continue
             if isinstance(msg, StepPlan):
                 try:
                     if runner is None:
@@ -183,27 +192,27 @@ def run(address: str, rank: int = 0, world_size: int = 1, init_method: str | Non
                                            sampled=[SampledToken(t.request_id, t.token_id) for t in reply.sampled])
                 except Exception as e:  # the step fails; a single worker keeps serving, a group cannot
                     # tell the control plane first: rendering a traceback can take longer than its deadline
-                    sock.send(encode(StepResult(step_id=msg.step_id, error=f"rank {rank}: {_one_line(e)}"
+                    sock.send(channel.seal_from_worker(StepResult(step_id=msg.step_id, error=f"rank {rank}: {_one_line(e)}"
                                                 if world_size > 1 else _one_line(e))))
                     log.exception("step %d failed", msg.step_id)
                     if world_size > 1:
                         linger_ms = 2000  # let the error reach the control plane before the socket closes
                         sys.exit(1)
                     continue
-                sock.send(encode(reply))
+                sock.send(channel.seal_from_worker(reply))
             elif isinstance(msg, (LoadModel, InitCache)):
                 try:
                     if isinstance(msg, LoadModel):
                         runner, hello = load(msg, rank, world_size, init_method)
-                        sock.send(encode(hello))
+                        sock.send(channel.seal_from_worker(hello))
                     else:
                         if runner is None:
                             raise RuntimeError("InitCache before LoadModel")
                         runner.init_cache(msg.num_gpu_blocks, msg.num_cpu_blocks)
-                        sock.send(encode(WorkerReady(rank=rank)))
+                        sock.send(channel.seal_from_worker(WorkerReady(rank=rank)))
                 except Exception as e:  # the control plane reports it in one line; the trace is for debugging
                     log.debug("worker start-up failed", exc_info=True)
-                    sock.send(encode(WorkerError(message=_one_line(e))))
+                    sock.send(channel.seal_from_worker(WorkerError(message=_one_line(e))))
                     linger_ms = 2000  # let the error reach the control plane before the socket closes
                     sys.exit(1)
             elif isinstance(msg, Shutdown):

@@ -336,7 +336,7 @@ class Engine:
         except TimeoutError:
             pass
         try:
-            self.client.check_alive()
+            await self.client.check_alive()
         except WorkerFailed as e:
             await self._recover(str(e))
 
@@ -377,7 +377,9 @@ class Engine:
     async def _recover(self, reason: str) -> None:
         """Replace a failed worker and recompute every live request; raise _EngineFailed when out of restarts.
 
-        The old worker (group) is killed for certain; a new one starts after a backoff
+        A spawned worker is killed for certain; for an external one the bound socket stays open
+        and the next worker to register (its supervisor restarts it) takes its place. A new one
+        starts after a backoff
         (``--max-worker-restarts`` consecutive restarts at most; a worker that lived
         _RESTART_RESET_SECONDS resets the count) and gets a fresh KV pool; every request in flight
         (running, waiting or swapped) is requeued for recompute from its prompt plus the tokens it
@@ -394,7 +396,11 @@ class Engine:
             self._restarts = 0
         self._recovering = reason
         log.error("worker failed", error=reason, max_worker_restarts=self.config.max_worker_restarts)
-        await self.client.close()  # kills a dead or stalled worker for certain
+        spawn = self._worker_args.get("spawn", True)
+        if spawn:
+            await self.client.close()  # kills a dead or stalled worker for certain
+        else:
+            await self.client.forget_worker()
         while True:
             if self._restarts >= self.config.max_worker_restarts:
                 self._fail_all(f"{reason} (after {self._restarts} worker restarts, --max-worker-restarts "
@@ -405,8 +411,8 @@ class Engine:
             self._recovering = f"{reason}; restart {self._restarts} of {self.config.max_worker_restarts}"
             await asyncio.sleep(delay)
             self._apply_aborts()  # clients that left meanwhile
-            client = WorkerClient(self.config, self._worker_args.get("address"),
-                                  spawn=self._worker_args.get("spawn", True), secret=self._worker_args.get("secret"))
+            client = self.client if not spawn else WorkerClient(
+                self.config, self._worker_args.get("address"), spawn=True, secret=self._worker_args.get("secret"))
             try:
                 await client.start()
                 await client.init_cache(*self._pool_blocks)
@@ -416,8 +422,11 @@ class Engine:
                 raise
             except Exception as e:  # noqa: BLE001 - any start failure counts as a failed restart
                 log.error("worker restart failed", error=str(e), restart=self._restarts)
-                client.failed = client.failed or str(e)
-                await client.close()
+                if spawn:
+                    client.failed = client.failed or str(e)
+                    await client.close()
+                else:
+                    await client.forget_worker()
                 reason = f"worker restart failed: {e}"
                 continue
             break

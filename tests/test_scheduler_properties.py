@@ -124,7 +124,7 @@ class FakeWorker:
             raise Violation(f"{MAX_STEPS_WITHOUT_PROGRESS} steps without a sampled token")
         return StepResult(step_id=plan.step_id, sampled=sampled)
 
-    def check_alive(self) -> None:
+    async def check_alive(self) -> None:
         pass  # it never dies
 
     async def close(self) -> None:

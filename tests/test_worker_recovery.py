@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 
 from conftest import GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS, assert_all_blocks_free, collect, metric
 
@@ -138,3 +140,53 @@ async def test_out_of_restarts_the_engine_fails_every_request_and_says_so(start)
     ok, status = engine.health()
     assert not ok and status.startswith("failed: worker process exited with code -9")
     assert "--max-worker-restarts 0" in status
+
+
+def _external_worker(address: str, secret: str) -> subprocess.Popen:
+    """`python -m pagedkv.worker --connect ADDR`, as a supervisor (compose's restart policy) starts one."""
+    env = {k: v for k, v in os.environ.items() if k != "PAGEDKV_PARENT_PID"}
+    env["PAGEDKV_WORKER_SECRET"] = secret
+    return subprocess.Popen([sys.executable, "-m", "pagedkv.worker", "--connect", address], env=env)
+
+
+async def test_an_external_worker_restarted_by_its_supervisor_takes_over(stories260k, tmp_path):
+    """The compose stack: the worker runs apart and its supervisor restarts it. The control plane keeps
+    its socket; the new worker's (authenticated) Register replaces the dead one, mid-stream or idle."""
+    from pagedkv.common.config import EngineConfig
+    from pagedkv.scheduler.engine import Engine
+
+    secret, address = "0123456789abcdef" * 4, f"ipc://{tmp_path}/worker.sock"
+    config = EngineConfig(model=str(stories260k), device="cpu", num_gpu_blocks=32, swap_space=0.001,
+                          max_worker_restarts=3)
+    workers = []
+    starting = asyncio.create_task(Engine.start(config, worker_address=address, external_worker=True,
+                                                worker_secret=secret.encode()))
+    workers.append(_external_worker(address, secret))
+    engine = await starting
+    try:
+        seen: list[int] = []
+        run = asyncio.create_task(_stream(engine, GOLDEN_PROMPT_IDS, SamplingParams(temperature=0, max_tokens=60), seen))
+        await _until(lambda: sum(seen) >= 5)
+        workers[0].kill()  # mid-stream; its supervisor starts another
+        workers[0].wait()
+        workers.append(_external_worker(address, secret))
+        tokens, _, reason = await run
+        assert tokens == GOLDEN_OUTPUT_IDS and reason == "length"
+        assert metric(engine, RESTARTS) == 1 and engine.health() == (True, "ok")
+        assert_all_blocks_free(engine)
+
+        workers[1].kill()  # idle: the successor's Register is noticed without a request
+        workers[1].wait()
+        workers.append(_external_worker(address, secret))
+        states = []
+        await _until(lambda: states.append(engine.health()[1]) or metric(engine, RESTARTS) == 2)
+        assert any(s.startswith("recovering: a new worker (pid ") for s in states)
+        tokens, _, _ = await collect(engine.add_request(GOLDEN_PROMPT_IDS, SamplingParams(temperature=0, max_tokens=60)))
+        assert tokens == GOLDEN_OUTPUT_IDS
+        assert_all_blocks_free(engine)
+    finally:
+        await engine.shutdown()
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+            w.wait()

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from pagedkv.common.protocol import NewRequestData
-from pagedkv.common.sampling_params import SamplingParams
+from pagedkv.common.sampling_params import MIN_TEMPERATURE, SamplingParams
 from pagedkv.worker.sampler import SamplingBatch, bias_and_bans
 
 # (name, dtype, neutral value) of the per-row sampling knobs kept on the host.
@@ -213,7 +213,7 @@ class InputBatch:
         """
         dev = self.device
         temperature = self.temperature[rows]
-        greedy = temperature == 0
+        greedy = temperature < MIN_TEMPERATURE  # 1e-45 divides logits into inf: greedy, as SamplingParams.greedy says
         penalties = bool(self.penalized[rows].any())
         num_logprobs = self.num_logprobs[rows]
         logprobs = [None] * rows.size if (num_logprobs < 0).all() else [None if k < 0 else k for k in num_logprobs.tolist()]

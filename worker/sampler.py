@@ -4,9 +4,9 @@ Order per row (as HF's and vLLM's samplers): logit bias (OpenAI ``logit_bias``) 
 ``min_tokens`` output tokens, EOS and the stop token ids masked out (vLLM); repetition penalty (prompt + output tokens; HF
 ``RepetitionPenaltyLogitsProcessor``: positive logits divided, negative multiplied), presence and
 frequency penalties (output tokens only; OpenAI API: ``logit -= frequency * count + presence *
-(count > 0)``), then greedy argmax when temperature is 0, else divide by temperature, keep the
-top_k, keep the smallest set of most likely tokens whose probability reaches top_p, drop tokens
-below min_p x the top probability, and draw from what is left.
+(count > 0)``), then greedy argmax when temperature is below MIN_TEMPERATURE (1e-5; 0 included),
+else divide by temperature, keep the top_k, keep the smallest set of most likely tokens whose
+probability reaches top_p, drop tokens below min_p x the top probability, and draw from what is left.
 
 Every step is a tensor op over all rows (`SamplingBatch` holds the per-row knobs as tensors and the
 penalties' token statistics as ``[rows, vocab]`` tensors); no Python runs per row except to build
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedkv.common.sampling_params import SamplingParams
+from pagedkv.common.sampling_params import MIN_TEMPERATURE, SamplingParams
 
 _M32 = 0xFFFFFFFF
 
@@ -186,7 +186,7 @@ class Sampler:
             seeded = seeded_exponential(batch.seeds, batch.output_index, probs.shape[1])
             noise = torch.where(batch.seeded[:, None], seeded, noise)
         drawn = argmax(probs / noise.clamp_min_(1e-20))
-        return torch.where(batch.temperature == 0, tokens, drawn)
+        return torch.where(batch.temperature < MIN_TEMPERATURE, tokens, drawn)  # below it: greedy
 
     @staticmethod
     def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, num_logprobs: list[int | None]):
@@ -279,10 +279,11 @@ def truncated_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Probabilities ``[rows, vocab]`` float32 after temperature, top-k, top-p and min-p.
 
     top_k <= 0 disables it; top_p 1 disables it; the most likely token is always kept. Greedy rows
-    (temperature 0) come out as if temperature were 1; the caller takes their argmax instead.
+    (temperature below MIN_TEMPERATURE, 0 included) come out as if temperature were 1; the caller
+    takes their argmax instead.
     """
     vocab = logits.shape[1]
-    temperature = torch.where(batch.temperature > 0, batch.temperature, 1.0)
+    temperature = torch.where(batch.temperature >= MIN_TEMPERATURE, batch.temperature, 1.0)
     logits = logits / temperature[:, None]
     if batch.any_top_k_top_p:  # one sort serves both
         top_k = torch.where(batch.top_k > 0, batch.top_k, vocab).clamp_max(vocab)

@@ -185,8 +185,12 @@ def test_worker_rank_flags_default_to_the_torchrun_environment(monkeypatch):
 
 # ---- the control plane's side of a group, against fake ranks (no torch) ---------------------------
 
+SECRET = b"0123456789abcdef" * 4  # the worker-channel secret the fake ranks and the client share
+CHANNEL = protocol.Channel(SECRET)
+
+
 class FakeRank:
-    """A DEALER socket speaking the worker protocol by hand, as one rank of a group."""
+    """A DEALER socket speaking the (sealed) worker protocol by hand, as one rank of a group."""
 
     def __init__(self, ctx: zmq.asyncio.Context, address: str, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
@@ -195,11 +199,11 @@ class FakeRank:
         self.sock.connect(address)
 
     async def send(self, msg) -> None:
-        await self.sock.send(protocol.encode(msg))
+        await self.sock.send(CHANNEL.seal_from_worker(msg))
 
     async def recv(self):
         assert await self.sock.poll(10_000), f"rank {self.rank} got nothing"
-        return protocol.decode_to_worker(await self.sock.recv())
+        return CHANNEL.open_to_worker(await self.sock.recv())
 
     async def register(self) -> None:
         await self.send(protocol.Register(protocol.PROTOCOL_VERSION, os.getpid(), self.rank, self.world_size))
@@ -229,7 +233,7 @@ def hello(rank: int, blocks: int, bandwidth: float | None, dtype: str = "float32
 
 async def test_the_group_pool_is_the_smallest_ranks_and_each_plan_reaches_both_ranks(tmp_path):
     client = WorkerClient(EngineConfig(tensor_parallel_size=2, worker_timeout=10), f"ipc://{tmp_path}/w.sock",
-                          spawn=False)
+                          spawn=False, secret=SECRET)
     try:
         got, ranks = await start_group(client, {1: hello(1, 700, 2e9), 0: hello(0, 900, 5e9)}, [1, 0])
         assert (got.max_num_gpu_blocks, got.swap_bandwidth) == (700, 2e9)  # every rank must hold every block
@@ -257,7 +261,7 @@ async def test_the_group_pool_is_the_smallest_ranks_and_each_plan_reaches_both_r
 
 async def test_ranks_that_disagree_on_dtype_fail_the_start(tmp_path):
     client = WorkerClient(EngineConfig(tensor_parallel_size=2, worker_timeout=10), f"ipc://{tmp_path}/w.sock",
-                          spawn=False)
+                          spawn=False, secret=SECRET)
     try:
         got, _ = await start_group(client, {0: hello(0, 900, None), 1: hello(1, 900, None, dtype="bfloat16")}, [0, 1])
         assert isinstance(got, WorkerFailed)
@@ -270,7 +274,7 @@ async def test_ranks_that_disagree_on_dtype_fail_the_start(tmp_path):
 @pytest.mark.parametrize("second", [(0, 2), (1, 4), (2, 2)])  # rank 0 again, another world size, no such rank
 async def test_a_rank_that_does_not_complete_0_to_n_minus_1_once_each_is_refused(tmp_path, second):
     client = WorkerClient(EngineConfig(tensor_parallel_size=2, worker_timeout=10), f"ipc://{tmp_path}/w.sock",
-                          spawn=False)
+                          spawn=False, secret=SECRET)
     ctx = zmq.asyncio.Context.instance()
     try:
         started = asyncio.create_task(client.start(register_timeout=10))
@@ -286,7 +290,7 @@ async def test_a_rank_that_does_not_complete_0_to_n_minus_1_once_each_is_refused
 
 async def test_a_rank_that_never_registers_is_named_at_the_deadline(tmp_path):
     client = WorkerClient(EngineConfig(tensor_parallel_size=3, worker_timeout=10), f"ipc://{tmp_path}/w.sock",
-                          spawn=False)
+                          spawn=False, secret=SECRET)
     try:
         rank1 = FakeRank(zmq.asyncio.Context.instance(), client.address, 1, 3)
         await rank1.register()

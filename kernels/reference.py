@@ -106,7 +106,7 @@ def batched_paged_attention(
     Padding waste is bounded by the sort: a chunk's sequences have similar lengths.
     """
     num_tokens, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_kv_heads = k_cache.shape[2]
     if out is None:
         out = torch.empty_like(q)
     if num_tokens == 0:

@@ -96,6 +96,18 @@ def metric(engine, name, **labels) -> float:
     return engine.metrics.registry.get_sample_value(name, {"model_name": engine.model_config.name, **labels}) or 0.0
 
 
+def with_chat_template(checkpoint: Path, dest: Path, template: str) -> Path:
+    """``dest`` made a copy of ``checkpoint`` (file links) whose tokenizer_config.json carries ``template``."""
+    import json
+
+    for f in checkpoint.iterdir():
+        (dest / f.name).symlink_to(f)
+    config = json.loads((checkpoint / "tokenizer_config.json").read_text())
+    (dest / "tokenizer_config.json").unlink()
+    (dest / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    return dest
+
+
 def record_plans(engine) -> list:
     """The list every step plan the engine sends its worker is appended to, from now on."""
     plans = []

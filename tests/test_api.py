@@ -17,7 +17,7 @@ import openai
 import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestServer
-from conftest import GOLDEN_COMPLETION, GOLDEN_PROMPT, GOLDEN_PROMPT_IDS
+from conftest import GOLDEN_COMPLETION, GOLDEN_PROMPT, GOLDEN_PROMPT_IDS, with_chat_template
 
 from pagedkv.common.config import EngineConfig, ModelConfig
 from pagedkv.scheduler.api import build_app
@@ -348,12 +348,7 @@ CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% end
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def chat_base_url(stories260k, tmp_path_factory):
     """stories260K plus a chat template that turns the messages into the plain golden prompt."""
-    ckpt = tmp_path_factory.mktemp("stories260K-chat")
-    for f in stories260k.iterdir():
-        (ckpt / f.name).symlink_to(f)
-    config = json.loads((stories260k / "tokenizer_config.json").read_text())
-    (ckpt / "tokenizer_config.json").unlink()
-    (ckpt / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    ckpt = with_chat_template(stories260k, tmp_path_factory.mktemp("stories260K-chat"), CHAT_TEMPLATE)
     e = await Engine.start(EngineConfig(model=str(ckpt), device="cpu", num_gpu_blocks=64, swap_space=0.001))
     server = await _serve(e)
     yield str(server.make_url("")).rstrip("/")

@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestServer
-from conftest import GOLDEN_COMPLETION, GOLDEN_PROMPT
+from conftest import GOLDEN_COMPLETION, GOLDEN_PROMPT, with_chat_template
 
 from pagedkv.common.config import EngineConfig
 from pagedkv.common.sampling_params import MIN_TEMPERATURE
@@ -31,12 +31,7 @@ CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endf
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(stories260k, tmp_path_factory):
     """stories260K with a chat template (so chat paths run), 64 blocks, max_stop / max_choices defaults."""
-    ckpt = tmp_path_factory.mktemp("stories260K-chat")
-    for f in stories260k.iterdir():
-        (ckpt / f.name).symlink_to(f)
-    config = json.loads((stories260k / "tokenizer_config.json").read_text())
-    (ckpt / "tokenizer_config.json").unlink()
-    (ckpt / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    ckpt = with_chat_template(stories260k, tmp_path_factory.mktemp("stories260K-chat"), CHAT_TEMPLATE)
     e = await Engine.start(EngineConfig(model=str(ckpt), device="cpu", num_gpu_blocks=64, swap_space=0.001))
     yield e
     await e.shutdown()

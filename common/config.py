@@ -192,7 +192,7 @@ class EngineConfig(msgspec.Struct):
     Sizes: ``block_size`` in tokens; ``num_gpu_blocks`` in blocks (None: sized from memory);
     ``cpu_kv_cache_space`` and ``swap_space`` in GiB (the host swap pool's ``num_cpu_blocks`` is
     ``swap_space`` / the worker's KV bytes per block); ``worker_timeout`` in seconds.
-    ``attention_backend``: "triton" | "torch", or None for Triton on CUDA and torch on CPU; the
+    ``attention_backend``: "triton" | "cpu" | "torch", or None for Triton on CUDA and cpu elsewhere; the
     worker picks the kernels once from it (`kernels.select_backend`).
     """
 
@@ -217,7 +217,7 @@ class EngineConfig(msgspec.Struct):
     max_logprobs: int = 20
     worker_timeout: float = 120.0
     max_worker_restarts: int = 5  # consecutive restarts of a failed worker before the engine gives up (0: none)
-    attention_backend: str | None = None  # None: triton on CUDA, torch on CPU
+    attention_backend: str | None = None  # None: triton on CUDA, cpu elsewhere
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (they are captured on CUDA by default)
     preemption_mode: str = "auto"  # recompute | swap | auto (cheaper per victim; scheduler.preemption)
     scheduling_policy: str = "fcfs"  # fcfs | priority (lower ``priority`` value first, as vLLM)

@@ -1,4 +1,4 @@
-"""The PyTorch backend (CPU serving): `kernels.reference`'s batched attention and its cache ops.
+"""The PyTorch backend (``--attention-backend torch``): `kernels.reference`'s batched attention and cache ops.
 
 `paged_attention` is `reference.batched_paged_attention` (the whole batch in a few tensor ops);
 `write_kv_cache`, `copy_blocks` and `swap_blocks` are the reference's. Same signatures as

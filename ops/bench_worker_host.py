@@ -16,6 +16,12 @@ prints median ratios: on a shared machine only ratios from alternating runs mean
 
 ``--model DIR`` runs the model's real forward instead of the stub (the whole worker step) and fits
 CPU ms per step against running requests over the shapes (e.g. 16x100,64x100,128x100,256x100).
+``--attention-backend`` picks this tree's kernels; ``--baseline-backend B`` compares against backend
+B of this same tree instead of another interpreter (e.g. the fused CPU decode kernel against the
+batched PyTorch attention):
+
+    python ops/bench_worker_host.py --model ../shared/models/stories260K \
+        --shapes 16x100,64x100,128x100,256x100 --attention-backend cpu --baseline-backend torch --repeats 3
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ import time
 from pathlib import Path
 
 
-def measure(num_requests: int, context: int, vocab: int, steps: int, block_size: int, model: str | None = None) -> dict:
+def measure(num_requests: int, context: int, vocab: int, steps: int, block_size: int, model: str | None = None,
+            attention_backend: str | None = None) -> dict:
     """Median and p90 host CPU ms per step (execute, and plan decoding) for one shape, in this process.
 
     CPU time of the calling thread (torch runs on one thread here), so that other processes on a
@@ -46,7 +53,7 @@ def measure(num_requests: int, context: int, vocab: int, steps: int, block_size:
     if model:  # the real model: the whole worker step, forward included
         model_config = ModelConfig.load(model)
         vocab = model_config.vocab_size
-        cfg = EngineConfig(model=model, block_size=block_size, max_num_seqs=num_requests,
+        cfg = EngineConfig(model=model, block_size=block_size, max_num_seqs=num_requests, attention_backend=attention_backend,
                            load_format="dummy" if not os.path.exists(os.path.join(model, "model.safetensors")) else "auto")
         runner = ModelRunner(cfg, torch.device("cpu"), torch.float32, model_config)
         runner.init_cache(num_requests * -(-(context + steps + 8) // block_size), 0)
@@ -144,21 +151,25 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--model", default=None, help="a model directory: run its real forward (dummy weights without "
                    "model.safetensors) and fit CPU ms per step against running requests")
+    p.add_argument("--attention-backend", default=None, help="this tree's kernels (cpu | torch | triton; default: by device)")
+    p.add_argument("--baseline-backend", default=None, help="compare against this backend of this tree (with --model)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     if args.child:
-        print(json.dumps([measure(n, c, args.vocab, args.steps, args.block_size, args.model) for n, c in shapes]))
+        print(json.dumps([measure(n, c, args.vocab, args.steps, args.block_size, args.model, args.attention_backend)
+                          for n, c in shapes]))
         return
-    trees = {"this": sys.executable}
-    if args.baseline_python:
-        trees = {"baseline": args.baseline_python, "this": sys.executable}
+    trees = {"this": (sys.executable, args.attention_backend)}
+    if args.baseline_python or args.baseline_backend:
+        trees = {"baseline": (args.baseline_python or sys.executable, args.baseline_backend), **trees}
     runs: dict[str, list[list[dict]]] = {k: [] for k in trees}
     cmd = [str(Path(__file__).resolve()), "--child", "--shapes", args.shapes, "--vocab", str(args.vocab), "--steps", str(args.steps),
            "--block-size", str(args.block_size)] + (["--model", str(Path(args.model).resolve())] if args.model else [])
     for r in range(args.repeats):
-        for name, python in (trees.items() if r % 2 == 0 else reversed(trees.items())):
-            out = subprocess.run([python, *cmd], capture_output=True, text=True, check=True, cwd="/tmp")
+        for name, (python, backend) in (trees.items() if r % 2 == 0 else reversed(trees.items())):
+            extra = ["--attention-backend", backend] if backend else []
+            out = subprocess.run([python, *cmd, *extra], capture_output=True, text=True, check=True, cwd="/tmp")
             runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(f"worker host CPU ms per decode step (thread time; wall in brackets), stub forward, vocab {args.vocab}, "
           f"block_size {args.block_size}, median of {args.steps - 3} steps; median over {args.repeats} "

@@ -1,4 +1,8 @@
-"""The batched CPU paged attention equals the per-sequence oracle (`kernels.reference.paged_attention`)."""
+"""The CPU attention backends equal the per-sequence oracle (`kernels.reference.paged_attention`).
+
+Both `reference.batched_paged_attention` (the ``torch`` backend) and `cpu_kernels.paged_attention`
+(the default ``cpu`` backend: decode rows in the fused C kernel, the rest batched) are held to it.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,15 @@ import random
 import pytest
 import torch
 
-from pagedkv.kernels import reference
+from pagedkv.kernels import cpu_kernels, reference
+
+BACKENDS = {"torch": reference.batched_paged_attention, "cpu": cpu_kernels.paged_attention}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fused_kernel_builds():
+    """On CI the C kernel must build: a missing compiler would silently test the fallback twice."""
+    assert cpu_kernels.fused_decode_available(), "cpu_attention.c did not build (is a C compiler installed?)"
 
 
 def make_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed):
@@ -29,8 +41,9 @@ def make_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, 
     return q, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32), qsl, head_dim ** -0.5
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("seed", range(4))
-def test_batched_attention_equals_the_oracle_on_random_mixed_batches(seed):
+def test_batched_attention_equals_the_oracle_on_random_mixed_batches(seed, backend):
     rng = random.Random(seed)
     q_lens, seq_lens = [], []
     for _ in range(rng.randint(1, 12)):  # decode, prefill, extend and idle (q_len 0) sequences
@@ -40,7 +53,7 @@ def test_batched_attention_equals_the_oracle_on_random_mixed_batches(seed):
     args = make_batch(q_lens, seq_lens, num_heads=6, num_kv_heads=2, head_dim=16, block_size=8,
                       dtype=torch.float32, seed=seed)
     expected = reference.paged_attention(*args)
-    got = reference.batched_paged_attention(*args)
+    got = BACKENDS[backend](*args)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
 
@@ -53,10 +66,68 @@ def test_batched_attention_chunks_long_batches_without_changing_the_result(monke
     torch.testing.assert_close(whole, reference.paged_attention(*args), atol=1e-5, rtol=0)
 
 
-def test_batched_attention_in_bf16_rounds_like_the_oracle():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batched_attention_in_bf16_rounds_like_the_oracle(backend):
     args = make_batch([1, 1, 9], [30, 7, 20], num_heads=8, num_kv_heads=2, head_dim=32, block_size=16,
                       dtype=torch.bfloat16, seed=3)
     out = torch.empty_like(args[0])
-    got = reference.batched_paged_attention(*args, out=out)
+    got = BACKENDS[backend](*args, out=out)
     assert got is out and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), reference.paged_attention(*args).float(), atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("head_dim, num_heads, num_kv_heads, block_size", [
+    (8, 8, 4, 16),  # stories260K: a head size the kernel specializes
+    (64, 4, 1, 16),  # specialized, one KV head for all (MQA)
+    (128, 8, 8, 1),  # specialized, no grouping, one token per block
+    (24, 6, 3, 5),  # the generic loop: no specialization, odd block size
+])
+def test_fused_decode_kernel_equals_the_oracle_for_every_head_layout(head_dim, num_heads, num_kv_heads, block_size):
+    q_lens = [1, 1, 1, 1, 1, 1]
+    seq_lens = [1, block_size, block_size + 1, 3 * block_size, 77, 200]  # block edges, one token, long
+    args = make_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, torch.float32, seed=head_dim)
+    torch.testing.assert_close(cpu_kernels.paged_attention(*args, max_query_len=1, max_seq_len=200),
+                               reference.paged_attention(*args), atol=1e-5, rtol=0)
+
+
+def test_fused_kernel_computes_decode_rows_and_leaves_prefill_rows_to_the_batched_path(monkeypatch):
+    args = make_batch([1, 5, 1, 0], [40, 12, 9, 3], num_heads=4, num_kv_heads=2, head_dim=8, block_size=4,
+                      dtype=torch.float32, seed=5)
+    calls = []
+    batched = reference.batched_paged_attention
+
+    def spy(*a, **kw):
+        calls.append(kw.get("decode", True))
+        return batched(*a, **kw)
+
+    monkeypatch.setattr(reference, "batched_paged_attention", spy)
+    torch.testing.assert_close(cpu_kernels.paged_attention(*args), reference.paged_attention(*args), atol=1e-5, rtol=0)
+    assert calls == [False]  # one batched call, for the prefill row only
+    calls.clear()
+    decode_only = make_batch([1, 1], [40, 9], num_heads=4, num_kv_heads=2, head_dim=8, block_size=4,
+                             dtype=torch.float32, seed=6)
+    cpu_kernels.paged_attention(*decode_only, max_query_len=1)
+    assert calls == []  # a decode-only step never enters the batched path
+
+
+def test_without_a_c_compiler_the_cpu_backend_falls_back_to_the_batched_attention(monkeypatch, tmp_path):
+    with monkeypatch.context() as m:
+        m.setenv("CC", str(tmp_path / "no-such-compiler"))
+        m.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "cache"))  # nothing built there yet
+        cpu_kernels._library.cache_clear()
+        assert not cpu_kernels.fused_decode_available()
+        args = make_batch([1, 1, 6], [30, 7, 20], num_heads=4, num_kv_heads=2, head_dim=8, block_size=4,
+                          dtype=torch.float32, seed=7)
+        torch.testing.assert_close(cpu_kernels.paged_attention(*args), reference.paged_attention(*args),
+                                   atol=1e-5, rtol=0)
+        assert list((tmp_path / "cache").iterdir()) == []  # no half-written library left behind
+    cpu_kernels._library.cache_clear()
+    assert cpu_kernels.fused_decode_available()  # the real compiler builds (or finds) it again
+
+
+def test_float16_pools_take_the_batched_path():
+    assert not cpu_kernels.fused_decode_available(torch.float16)
+    args = make_batch([1, 1, 4], [30, 7, 20], num_heads=4, num_kv_heads=2, head_dim=8, block_size=4,
+                      dtype=torch.float16, seed=8)
+    torch.testing.assert_close(cpu_kernels.paged_attention(*args).float(), reference.paged_attention(*args).float(),
+                               atol=2e-3, rtol=0)

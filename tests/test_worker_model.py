@@ -299,9 +299,10 @@ def test_bfloat16_weights_and_cache_still_pick_the_golden_first_token(stories260
 
 def test_attention_backend_is_chosen_once_at_load_from_the_config():
     from pagedkv import kernels
-    from pagedkv.kernels import reference, torch_kernels
+    from pagedkv.kernels import cpu_kernels, reference, torch_kernels
 
-    assert kernels.select_backend(None, CPU) is torch_kernels
+    assert kernels.select_backend(None, CPU) is cpu_kernels
+    assert kernels.select_backend("cpu", CPU) is cpu_kernels
     assert kernels.select_backend("torch", torch.device("cuda")) is torch_kernels
     assert torch_kernels.paged_attention is reference.batched_paged_attention  # the oracle only in tests
     with pytest.raises(ValueError, match="attention backend must be one of"):

@@ -33,8 +33,8 @@ def load_model(model_config: ModelConfig, engine_config: EngineConfig, device: t
     """The model (this rank's shard of it under tensor parallelism ``tp``) on ``device`` in ``dtype``, in
     eval mode, with its attention backend chosen once.
 
-    The backend is ``engine_config.attention_backend`` ("triton" | "torch"), else Triton on CUDA and
-    the PyTorch reference on CPU (`kernels.select_backend`); ``model.kernels`` holds it.
+    The backend is ``engine_config.attention_backend`` ("triton" | "cpu" | "torch"), else Triton on
+    CUDA and `kernels.cpu_kernels` elsewhere (`kernels.select_backend`); ``model.kernels`` holds it.
 
     ``load_format`` "auto" reads every ``*.safetensors`` shard in ``model_config.path`` (HF names);
     "dummy", or the embedded default (path None), draws N(0, 0.02) weights from a generator

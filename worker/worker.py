@@ -27,6 +27,7 @@ from pagedkv.common.config import EngineConfig, ModelConfig
 from pagedkv.common.protocol import (PROTOCOL_VERSION, Channel, InitCache, LoadModel, Register, SampledToken,
                                      Shutdown, StepPlan, StepResult, Unauthenticated, WorkerError, WorkerHello,
                                      WorkerReady)
+from pagedkv.kernels import cpu_kernels
 from pagedkv.worker.cache_engine import measure_swap_bandwidth
 from pagedkv.worker.model_loader import torch_dtype
 from pagedkv.worker.model_runner import ModelRunner
@@ -112,6 +113,15 @@ def load(msg: LoadModel, rank: int = 0, world_size: int = 1, init_method: str | 
     log.info("weights loaded in %.1f s; profiling memory", time.monotonic() - start)
     num_blocks = max_num_gpu_blocks(runner)
     log.info("KV budget: %d blocks of %d tokens; measuring swap bandwidth", num_blocks, cfg.block_size)
+    kernels = runner.model.kernels
+    if kernels is cpu_kernels:  # builds the C decode kernel now (about a second, once per machine)
+        if kernels.fused_decode_available(runner.kv_dtype):
+            log.info("attention: cpu backend, decode fused in C (%s KV cache)", str(runner.kv_dtype).removeprefix("torch."))
+        else:
+            log.warning("attention: decode runs on the batched PyTorch path (slower): no C compiler (set CC) "
+                        "or a %s KV cache the fused kernel does not read", str(runner.kv_dtype).removeprefix("torch."))
+    else:
+        log.info("attention: %s backend", kernels.__name__.rsplit(".", 1)[-1].removesuffix("_kernels"))
     if device.type == "cuda":
         runner.warm_up()  # compile the Triton kernels now, not at the first request that needs one
     hello = WorkerHello(rank=rank, device=str(device), dtype=str(dtype).removeprefix("torch."),

@@ -1,0 +1,141 @@
+"""The CPU backend: a fused C decode kernel, batched PyTorch for prefill, the reference's cache ops.
+
+Decode is bound by reading the KV cache, so decode rows (one new token) go to
+``cpu_attention.c``, which reads each sequence's K/V once, in place, through its block table.
+Prefill and extend rows (more than one new token) are compute-bound and stay on
+`reference.batched_paged_attention`'s gather + batched GEMMs, where BLAS does the work.
+
+The C file is compiled on first use with the system C compiler (``$CC``, else ``cc``) into
+``$PAGEDKV_CACHE_DIR`` (default ``~/.cache/pagedkv``), keyed by a hash of the source and flags,
+and loaded with ctypes: about a second, once per machine. Without a compiler, or for a pool whose
+element type the kernel does not read (float16), or off the CPU, decode rows take the batched
+PyTorch path instead: same results, slower; `fused_decode_available` says which, and the worker
+logs it at start. Same signatures as `kernels.reference`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from pagedkv.kernels import reference
+from pagedkv.kernels.reference import copy_blocks, swap_blocks, write_kv_cache
+
+__all__ = ["paged_attention", "write_kv_cache", "copy_blocks", "swap_blocks", "fused_decode_available"]
+
+_SOURCE = Path(__file__).with_name("cpu_attention.c")
+# -O3 vectorizes the per-element loops; -ffast-math lets the compiler reassociate the dot products
+# and use vector expf (results differ from the oracle by float rounding only, tested to 1e-5);
+# -march=native uses this CPU's vector width, so the build is keyed by the CPU (below).
+_FLAGS = ["-O3", "-ffast-math", "-march=native", "-fPIC", "-shared", "-std=c11"]
+_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 2}
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    """The compiled kernel, building it on first use; None when no C compiler could build it."""
+    source = _SOURCE.read_bytes()
+    cc = os.environ.get("CC", "cc")
+    key = hashlib.sha256(source + " ".join([cc, *_FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
+    cache_dir = Path(os.environ.get("PAGEDKV_CACHE_DIR", Path.home() / ".cache" / "pagedkv"))
+    so = cache_dir / f"cpu_attention-{key}.so"
+    if not so.exists():
+        try:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            # build beside the target, then rename: workers starting together never load half a file
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
+            os.close(fd)
+            subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, timeout=120)
+            os.replace(tmp, so)
+        except (OSError, subprocess.SubprocessError):
+            if "tmp" in locals() and os.path.exists(tmp):
+                os.unlink(tmp)
+            return None
+    lib = ctypes.CDLL(str(so))
+    fn = lib.paged_decode_attention
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    fn.argtypes = [p, p, p, i32, p, p, i64, p, p, i64, i32, i32, i32, i32, i64, f32, f32, f32, p]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def _cpu_id() -> str:
+    """The machine and its CPU's model and feature flags: a library built for one CPU is not loaded on another."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        info = ""
+    lines = [line for line in info.splitlines() if line.startswith(("model name", "flags", "Features"))][:2]
+    return platform.machine() + "|".join(lines)
+
+
+@cache
+def _lut(dtype: torch.dtype) -> torch.Tensor:
+    """float32 ``[256]``: the value of each 8-bit pattern of ``dtype`` (fp8 decode table)."""
+    return torch.arange(256, dtype=torch.uint8).view(dtype).float()
+
+
+def fused_decode_available(kv_cache_dtype: torch.dtype = torch.float32) -> bool:
+    """Whether decode rows of a CPU pool of ``kv_cache_dtype`` run the fused C kernel here."""
+    return kv_cache_dtype in _KINDS and _library() is not None
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """`reference.paged_attention` (same arguments, layouts and result), decode rows fused in C.
+
+    Decode rows (q_len 1) of a CPU float32, bfloat16 or fp8 pool run `cpu_attention.c`; every other
+    row, and every row where `fused_decode_available` is False, runs
+    `reference.batched_paged_attention`. max_query_len == 1 (a decode-only step) skips the prefill
+    pass; max_seq_len, when given, must bound seq_lens (else it is computed here).
+    Raises MemoryError when the kernel cannot allocate its scratch (``num_heads x max_seq_len`` floats).
+    """
+    if out is None:
+        out = torch.empty_like(q)
+    if q.shape[0] == 0:
+        return out
+    if q.device.type != "cpu" or not k_cache.is_contiguous() or not fused_decode_available(k_cache.dtype):
+        return reference.batched_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                                 scale, out, max_query_len, max_seq_len, k_scale, v_scale)
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    q32 = q.float().contiguous()
+    out32 = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty_like(q32)
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    starts = query_start_loc.to(torch.int32).contiguous()
+    max_len = int(max_seq_len) if max_seq_len is not None else int(lens.max())
+    lut = _lut(k_cache.dtype) if _KINDS[k_cache.dtype] == 2 else None
+    rc = _library().paged_decode_attention(
+        q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _KINDS[k_cache.dtype],
+        None if lut is None else lut.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
+        starts.data_ptr(), lens.shape[0], num_heads, num_kv_heads, head_dim, block_size, max_len,
+        scale, k_scale, v_scale, out32.data_ptr())
+    if rc != 0:
+        raise MemoryError(f"paged decode attention: no memory for {num_heads} x {max_len} scores")
+    if max_query_len is None or max_query_len > 1:  # prefill / extend rows, if any
+        reference.batched_paged_attention(q32, k_cache, v_cache, tables, lens, starts, scale, out32,
+                                          k_scale=k_scale, v_scale=v_scale, decode=False)
+    if out32 is not out:
+        out.copy_(out32)
+    return out

@@ -13,6 +13,7 @@
  * the others' rows of out are left untouched. Head h reads KV head h / (num_heads / num_kv_heads).
  */
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -112,36 +113,85 @@ static inline __attribute__((always_inline)) void attend(
     }
 }
 
-/* Returns 0, or -1 when scratch memory could not be allocated (nothing written then). */
-int paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int kv_kind,
-                           const float *lut, const int32_t *block_tables, int64_t table_stride,
-                           const int32_t *seq_lens, const int32_t *query_start_loc, int64_t num_seqs,
-                           int num_heads, int num_kv_heads, int head_dim, int block_size,
-                           int64_t max_seq_len, float scale, float k_scale, float v_scale, float *out) {
-    const int group = num_heads / num_kv_heads;
-    const int64_t elem_bytes = kv_kind == KV_F32 ? 4 : kv_kind == KV_BF16 ? 2 : 1;
-    float *scores = malloc(sizeof(float) * (size_t)num_heads * (size_t)(max_seq_len > 0 ? max_seq_len : 1));
-    float *row = malloc(sizeof(float) * (size_t)num_kv_heads * (size_t)head_dim);
-    if (!scores || !row) {
-        free(scores); free(row);
-        return -1;
-    }
-    for (int64_t s = 0; s < num_seqs; s++) {
-        const int32_t t_q = query_start_loc[s];
-        if (query_start_loc[s + 1] - t_q != 1) continue;  /* prefill / extend rows: not ours */
-        const int64_t len = seq_lens[s] < max_seq_len ? seq_lens[s] : max_seq_len;
-        const int64_t at = (int64_t)t_q * num_heads * head_dim;
+/* The arguments of one call; a thread computes sequences [first, last). */
+typedef struct {
+    const float *q; const void *k_cache; const void *v_cache; int kv_kind; const float *lut;
+    const int32_t *block_tables; int64_t table_stride; const int32_t *seq_lens; const int32_t *query_start_loc;
+    int num_heads, num_kv_heads, head_dim, block_size; int64_t max_seq_len; float scale, k_scale, v_scale;
+    float *out; int64_t first, last; int status;
+} Work;
+
+static void *run(void *arg) {
+    Work *w = arg;
+    const int group = w->num_heads / w->num_kv_heads;
+    const int64_t elem_bytes = w->kv_kind == KV_F32 ? 4 : w->kv_kind == KV_BF16 ? 2 : 1;
+    float *scores = malloc(sizeof(float) * (size_t)w->num_heads * (size_t)(w->max_seq_len > 0 ? w->max_seq_len : 1));
+    float *row = malloc(sizeof(float) * (size_t)w->num_kv_heads * (size_t)w->head_dim);
+    w->status = scores && row ? 0 : -1;
+    for (int64_t s = w->first; s < w->last && w->status == 0; s++) {
+        const int32_t t_q = w->query_start_loc[s];
+        if (w->query_start_loc[s + 1] - t_q != 1) continue;  /* prefill / extend rows: not ours */
+        const int64_t len = w->seq_lens[s] < w->max_seq_len ? w->seq_lens[s] : w->max_seq_len;
+        const int64_t at = (int64_t)t_q * w->num_heads * w->head_dim;
         /* common head sizes get a copy with head_dim known at compile time (unrolled, vectorized) */
-#define ATTEND(D) attend(q + at, k_cache, v_cache, kv_kind, lut, elem_bytes, block_tables + s * table_stride, len, \
-                         num_kv_heads, group, D, block_size, scale * k_scale, v_scale, scores, row, out + at)
-        switch (head_dim) {
+#define ATTEND(D) attend(w->q + at, w->k_cache, w->v_cache, w->kv_kind, w->lut, elem_bytes,                  \
+                         w->block_tables + s * w->table_stride, len, w->num_kv_heads, group, D, w->block_size, \
+                         w->scale * w->k_scale, w->v_scale, scores, row, w->out + at)
+        switch (w->head_dim) {
             case 8: ATTEND(8); break;
             case 64: ATTEND(64); break;
             case 128: ATTEND(128); break;
-            default: ATTEND(head_dim);
+            default: ATTEND(w->head_dim);
         }
 #undef ATTEND
     }
     free(scores); free(row);
-    return 0;
+    return NULL;
+}
+
+enum { MAX_THREADS = 256 };
+
+/* Decode attention for every sequence with one new token, on num_threads threads (each takes a
+ * contiguous range of sequences holding about the same number of context tokens).
+ * Returns 0, or -1 when scratch memory or a thread could not be had (out is then incomplete). */
+int paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int kv_kind,
+                           const float *lut, const int32_t *block_tables, int64_t table_stride,
+                           const int32_t *seq_lens, const int32_t *query_start_loc, int64_t num_seqs,
+                           int num_heads, int num_kv_heads, int head_dim, int block_size,
+                           int64_t max_seq_len, float scale, float k_scale, float v_scale, float *out,
+                           int num_threads) {
+    const Work all = {q, k_cache, v_cache, kv_kind, lut, block_tables, table_stride, seq_lens, query_start_loc,
+                      num_heads, num_kv_heads, head_dim, block_size, max_seq_len, scale, k_scale, v_scale,
+                      out, 0, num_seqs, 0};
+    int64_t total = 0;
+    for (int64_t s = 0; s < num_seqs; s++) total += seq_lens[s];
+    /* a thread costs ~50 us to start: give each at least ~4K context tokens (tens of us of work) */
+    int threads = num_threads < MAX_THREADS ? num_threads : MAX_THREADS;
+    if (threads > 1 + total / 4096) threads = (int)(1 + total / 4096);
+    if (threads <= 1) {
+        Work w = all;
+        run(&w);
+        return w.status;
+    }
+    Work work[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    int64_t s = 0, done = 0;
+    for (int i = 0; i < threads; i++) {
+        work[i] = all;
+        work[i].first = s;
+        const int64_t target = total * (i + 1) / threads;
+        while (s < num_seqs && (done < target || i == threads - 1)) done += seq_lens[s++];
+        work[i].last = s;
+    }
+    int status = 0;
+    for (int i = 1; i < threads; i++) started[i] = pthread_create(&ids[i], NULL, run, &work[i]) == 0;
+    for (int i = 1; i < threads; i++)
+        if (!started[i]) run(&work[i]);  /* no thread to be had: do its share here */
+    run(&work[0]);
+    for (int i = 1; i < threads; i++) {
+        if (started[i]) pthread_join(ids[i], NULL);
+        status |= work[i].status;
+    }
+    return status | work[0].status;
 }

@@ -35,7 +35,7 @@ _SOURCE = Path(__file__).with_name("cpu_attention.c")
 # -O3 vectorizes the per-element loops; -ffast-math lets the compiler reassociate the dot products
 # and use vector expf (results differ from the oracle by float rounding only, tested to 1e-5);
 # -march=native uses this CPU's vector width, so the build is keyed by the CPU (below).
-_FLAGS = ["-O3", "-ffast-math", "-march=native", "-fPIC", "-shared", "-std=c11"]
+_FLAGS = ["-O3", "-ffast-math", "-march=native", "-fPIC", "-shared", "-std=c11", "-pthread"]
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 2}
 
 
@@ -62,7 +62,7 @@ def _library() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(so))
     fn = lib.paged_decode_attention
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    fn.argtypes = [p, p, p, i32, p, p, i64, p, p, i64, i32, i32, i32, i32, i64, f32, f32, f32, p]
+    fn.argtypes = [p, p, p, i32, p, p, i64, p, p, i64, i32, i32, i32, i32, i64, f32, f32, f32, p, i32]
     fn.restype = ctypes.c_int
     return lib
 
@@ -108,7 +108,9 @@ def paged_attention(
     row, and every row where `fused_decode_available` is False, runs
     `reference.batched_paged_attention`. max_query_len == 1 (a decode-only step) skips the prefill
     pass; max_seq_len, when given, must bound seq_lens (else it is computed here).
-    Raises MemoryError when the kernel cannot allocate its scratch (``num_heads x max_seq_len`` floats).
+    The decode rows are split over ``torch.get_num_threads()`` threads (by context tokens, at
+    least about 4K of them per thread). Raises MemoryError when the kernel cannot allocate its scratch
+    (``num_heads x max_seq_len`` floats per thread).
     """
     if out is None:
         out = torch.empty_like(q)
@@ -130,7 +132,7 @@ def paged_attention(
         q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _KINDS[k_cache.dtype],
         None if lut is None else lut.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
         starts.data_ptr(), lens.shape[0], num_heads, num_kv_heads, head_dim, block_size, max_len,
-        scale, k_scale, v_scale, out32.data_ptr())
+        scale, k_scale, v_scale, out32.data_ptr(), torch.get_num_threads())
     if rc != 0:
         raise MemoryError(f"paged decode attention: no memory for {num_heads} x {max_len} scores")
     if max_query_len is None or max_query_len > 1:  # prefill / extend rows, if any

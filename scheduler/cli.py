@@ -11,6 +11,7 @@ worker` imports the worker package inside its handler.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import json
 import os
@@ -313,6 +314,7 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, sock: socket.so
                                 worker_secret=args.worker_secret)
     runner = web.AppRunner(build_app(engine, api_keys=api_keys, max_request_bytes=args.max_request_bytes),
                            handler_cancellation=True, access_log=None)
+    gc.freeze()  # start-up's objects live as long as the process: the collector need not walk them every step
     stop = asyncio.Event()
     signals = []  # a first SIGTERM/SIGINT drains, a second one stops at once
     loop = asyncio.get_running_loop()

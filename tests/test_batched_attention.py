@@ -131,3 +131,18 @@ def test_float16_pools_take_the_batched_path():
                       dtype=torch.float16, seed=8)
     torch.testing.assert_close(cpu_kernels.paged_attention(*args).float(), reference.paged_attention(*args).float(),
                                atol=2e-3, rtol=0)
+
+
+def test_fused_decode_splits_sequences_over_threads_without_changing_the_result():
+    # 3 threads get ~4K context tokens each; a prefill row and an idle row sit inside the ranges
+    seq_lens = [3000, 700, 2500, 40, 4100, 1, 1800, 900, 2222]
+    q_lens = [1, 1, 7, 1, 1, 0, 1, 1, 1]
+    args = make_batch(q_lens, seq_lens, num_heads=4, num_kv_heads=2, head_dim=16, block_size=16,
+                      dtype=torch.float32, seed=11)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        got = cpu_kernels.paged_attention(*args)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(got, reference.paged_attention(*args), atol=1e-5, rtol=0)

@@ -13,6 +13,7 @@ or at once when gloo sees the connection drop).
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -219,6 +220,9 @@ def run(address: str, secret: bytes, rank: int = 0, world_size: int = 1, init_me
                         if runner is None:
                             raise RuntimeError("InitCache before LoadModel")
                         runner.init_cache(msg.num_gpu_blocks, msg.num_cpu_blocks)
+                        # torch's and the model's objects live as long as the process: without this the
+                        # collector walks them all in each full collection (~10% of a CPU decode step)
+                        gc.freeze()
                         sock.send(channel.seal_from_worker(WorkerReady(rank=rank)))
                 except Exception as e:  # the control plane reports it in one line; the trace is for debugging
                     log.debug("worker start-up failed", exc_info=True)

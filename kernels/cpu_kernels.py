@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import subprocess
@@ -28,6 +29,8 @@ import torch
 
 from pagedkv.kernels import reference
 from pagedkv.kernels.reference import copy_blocks, swap_blocks, write_kv_cache
+
+log = logging.getLogger("pagedkv.kernels")
 
 __all__ = ["paged_attention", "write_kv_cache", "copy_blocks", "swap_blocks", "fused_decode_available"]
 
@@ -41,22 +44,26 @@ _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.flo
 
 @cache
 def _library() -> ctypes.CDLL | None:
-    """The compiled kernel, building it on first use; None when no C compiler could build it."""
+    """The compiled kernel, building it on first use; None (logged once) when no C compiler could build it."""
     source = _SOURCE.read_bytes()
     cc = os.environ.get("CC", "cc")
     key = hashlib.sha256(source + " ".join([cc, *_FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
     cache_dir = Path(os.environ.get("PAGEDKV_CACHE_DIR", Path.home() / ".cache" / "pagedkv"))
     so = cache_dir / f"cpu_attention-{key}.so"
     if not so.exists():
+        tmp = None
         try:
             cache_dir.mkdir(parents=True, exist_ok=True)
             # build beside the target, then rename: workers starting together never load half a file
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
             os.close(fd)
-            subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, timeout=120)
+            subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True,
+                           text=True, timeout=120)
             os.replace(tmp, so)
-        except (OSError, subprocess.SubprocessError):
-            if "tmp" in locals() and os.path.exists(tmp):
+        except (OSError, subprocess.SubprocessError) as e:
+            detail = e.stderr.strip().splitlines()[-1:] if isinstance(e, subprocess.CalledProcessError) else [str(e)]
+            log.warning("cannot build %s with %r: %s", _SOURCE.name, cc, " ".join(detail))
+            if tmp is not None and os.path.exists(tmp):
                 os.unlink(tmp)
             return None
     lib = ctypes.CDLL(str(so))

@@ -117,7 +117,7 @@ static inline __attribute__((always_inline)) void attend(
 typedef struct {
     const float *q; const void *k_cache; const void *v_cache; int kv_kind; const float *lut;
     const int32_t *block_tables; int64_t table_stride; const int32_t *seq_lens; const int32_t *query_start_loc;
-    int num_heads, num_kv_heads, head_dim, block_size; int64_t max_seq_len; float scale, k_scale, v_scale;
+    int num_heads, num_kv_heads, head_dim, block_size; int64_t num_blocks, max_seq_len; float scale, k_scale, v_scale;
     float *out; int64_t first, last; int status;
 } Work;
 
@@ -133,9 +133,13 @@ static void *run(void *arg) {
         if (w->query_start_loc[s + 1] - t_q != 1) continue;  /* prefill / extend rows: not ours */
         const int64_t len = w->seq_lens[s] < w->max_seq_len ? w->seq_lens[s] : w->max_seq_len;
         const int64_t at = (int64_t)t_q * w->num_heads * w->head_dim;
+        const int32_t *table = w->block_tables + s * w->table_stride;
+        for (int64_t b = 0; b < (len + w->block_size - 1) / w->block_size; b++)
+            if (table[b] < 0 || table[b] >= w->num_blocks) w->status = -2;  /* never read outside the pool */
+        if (w->status != 0) break;
         /* common head sizes get a copy with head_dim known at compile time (unrolled, vectorized) */
 #define ATTEND(D) attend(w->q + at, w->k_cache, w->v_cache, w->kv_kind, w->lut, elem_bytes,                  \
-                         w->block_tables + s * w->table_stride, len, w->num_kv_heads, group, D, w->block_size, \
+                         table, len, w->num_kv_heads, group, D, w->block_size, \
                          w->scale * w->k_scale, w->v_scale, scores, row, w->out + at)
         switch (w->head_dim) {
             case 8: ATTEND(8); break;
@@ -153,15 +157,16 @@ enum { MAX_THREADS = 256 };
 
 /* Decode attention for every sequence with one new token, on num_threads threads (each takes a
  * contiguous range of sequences holding about the same number of context tokens).
- * Returns 0, or -1 when scratch memory or a thread could not be had (out is then incomplete). */
+ * Returns 0; -1 when scratch memory could not be had; -2 when a block table names a block outside
+ * [0, num_blocks) within its sequence's length (out is then incomplete). */
 int paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int kv_kind,
                            const float *lut, const int32_t *block_tables, int64_t table_stride,
                            const int32_t *seq_lens, const int32_t *query_start_loc, int64_t num_seqs,
-                           int num_heads, int num_kv_heads, int head_dim, int block_size,
+                           int num_heads, int num_kv_heads, int head_dim, int block_size, int64_t num_blocks,
                            int64_t max_seq_len, float scale, float k_scale, float v_scale, float *out,
                            int num_threads) {
     const Work all = {q, k_cache, v_cache, kv_kind, lut, block_tables, table_stride, seq_lens, query_start_loc,
-                      num_heads, num_kv_heads, head_dim, block_size, max_seq_len, scale, k_scale, v_scale,
+                      num_heads, num_kv_heads, head_dim, block_size, num_blocks, max_seq_len, scale, k_scale, v_scale,
                       out, 0, num_seqs, 0};
     int64_t total = 0;
     for (int64_t s = 0; s < num_seqs; s++) total += seq_lens[s];
@@ -189,9 +194,9 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
     for (int i = 1; i < threads; i++)
         if (!started[i]) run(&work[i]);  /* no thread to be had: do its share here */
     run(&work[0]);
-    for (int i = 1; i < threads; i++) {
-        if (started[i]) pthread_join(ids[i], NULL);
-        status |= work[i].status;
+    for (int i = 0; i < threads; i++) {
+        if (i > 0 && started[i]) pthread_join(ids[i], NULL);
+        if (work[i].status != 0) status = work[i].status;
     }
-    return status | work[0].status;
+    return status;
 }

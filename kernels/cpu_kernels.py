@@ -69,7 +69,7 @@ def _library() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(so))
     fn = lib.paged_decode_attention
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    fn.argtypes = [p, p, p, i32, p, p, i64, p, p, i64, i32, i32, i32, i32, i64, f32, f32, f32, p, i32]
+    fn.argtypes = [p, p, p, i32, p, p, i64, p, p, i64, i32, i32, i32, i32, i64, i64, f32, f32, f32, p, i32]
     fn.restype = ctypes.c_int
     return lib
 
@@ -117,7 +117,8 @@ def paged_attention(
     pass; max_seq_len, when given, must bound seq_lens (else it is computed here).
     The decode rows are split over ``torch.get_num_threads()`` threads (by context tokens, at
     least about 4K of them per thread). Raises MemoryError when the kernel cannot allocate its scratch
-    (``num_heads x max_seq_len`` floats per thread).
+    (``num_heads x max_seq_len`` floats per thread), IndexError when a decode row's block table
+    holds a block id outside ``[0, num_blocks)`` within its length (nothing is read outside the pool).
     """
     if out is None:
         out = torch.empty_like(q)
@@ -138,8 +139,10 @@ def paged_attention(
     rc = _library().paged_decode_attention(
         q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _KINDS[k_cache.dtype],
         None if lut is None else lut.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
-        starts.data_ptr(), lens.shape[0], num_heads, num_kv_heads, head_dim, block_size, max_len,
-        scale, k_scale, v_scale, out32.data_ptr(), torch.get_num_threads())
+        starts.data_ptr(), lens.shape[0], num_heads, num_kv_heads, head_dim, block_size, k_cache.shape[0],
+        max_len, scale, k_scale, v_scale, out32.data_ptr(), torch.get_num_threads())
+    if rc == -2:
+        raise IndexError(f"a block table names a block outside the pool's {k_cache.shape[0]} within its sequence")
     if rc != 0:
         raise MemoryError(f"paged decode attention: no memory for {num_heads} x {max_len} scores")
     if max_query_len is None or max_query_len > 1:  # prefill / extend rows, if any

@@ -146,3 +146,18 @@ def test_fused_decode_splits_sequences_over_threads_without_changing_the_result(
     finally:
         torch.set_num_threads(threads)
     torch.testing.assert_close(got, reference.paged_attention(*args), atol=1e-5, rtol=0)
+
+
+def test_fused_decode_refuses_a_block_table_pointing_outside_the_pool():
+    q, k_cache, v_cache, tables, seq_lens, qsl, scale = make_batch(
+        [1, 1], [20, 9], num_heads=4, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32, seed=12)
+    for bad in (-1, k_cache.shape[0]):  # unused padding (-1) or one past the end, inside the length
+        broken = tables.clone()
+        broken[1, 2] = bad  # sequence 1 holds 9 tokens: blocks 0..2
+        with pytest.raises(IndexError, match="outside the pool"):
+            cpu_kernels.paged_attention(q, k_cache, v_cache, broken, seq_lens, qsl, scale)
+    broken = tables.clone()
+    broken[1, 3] = -7  # past the sequence's length: never read, no error
+    torch.testing.assert_close(cpu_kernels.paged_attention(q, k_cache, v_cache, broken, seq_lens, qsl, scale),
+                               reference.paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, scale),
+                               atol=1e-5, rtol=0)

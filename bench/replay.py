@@ -306,22 +306,36 @@ async def run_in_process(config, requests: list[BenchRequest], *, kv_allocator: 
 
 
 async def run_against_url(url: str, requests: list[BenchRequest], vocab_size: int, *, seed: int = 0,
-                          poll_interval: float = 0.05, progress: bool = True, desc: str = "bench") -> dict:
+                          poll_interval: float = 0.05, progress: bool = True, desc: str = "bench",
+                          text_tokenizer: str | None = None, api: str = "pagedkv") -> dict:
     """Replay ``requests`` against a running ``pagedkv serve`` at ``url`` (streamed /v1/completions).
 
     KV accounting polls ``/kv_cache`` every ``poll_interval`` seconds; preemptions are read from
     ``/metrics`` before and after. Raises aiohttp.ClientError when the server cannot be reached.
+    text_tokenizer: a (sentencepiece-style) tokenizer.json; prompts are sent as text instead, random
+    whole-word tokens (a piece "\u2581" + letters) decoded, prompt_len - 1 of them (at least one), which
+    the server encodes back to prompt_len tokens with its BOS; the lengths reported are the server's (usage).
+    api="transformers": a ``transformers serve`` peer: no KV accounting or preemption count (it
+    has no /kv_cache or /metrics), text prompts (text_tokenizer required), and exactly max_tokens
+    generated through a ``generation_config`` (min = max new tokens, EOS off) instead of ``ignore_eos``.
     """
     import aiohttp
 
     url = url.rstrip("/")
+    pagedkv = api == "pagedkv"
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
         async with session.get(f"{url}/v1/models") as r:
             card = (await r.json())["data"][0]
-        model, max_model_len = card["id"], card["max_model_len"]
-        preemptions0 = await _preemptions(session, url)
+        model, max_model_len = card["id"], card.get("max_model_len")
+        preemptions0 = await _preemptions(session, url) if pagedkv else 0
         rng = random.Random(seed)
         prompts = [random_prompt(rng, r.prompt_len, vocab_size) for r in requests]
+        if text_tokenizer:  # random whole-word tokens: their text encodes back to as many tokens (+ BOS)
+            from tokenizers import Tokenizer
+
+            tok = Tokenizer.from_file(text_tokenizer)
+            words = sorted(i for piece, i in tok.get_vocab().items() if piece.startswith("\u2581") and piece[1:].isalpha())
+            prompts = [tok.decode([rng.choice(words) for _ in range(max(1, r.prompt_len - 1))]) for r in requests]
         samples: list[KVSample] = []
         loop = asyncio.get_running_loop()
         clock = {"start": loop.time()}
@@ -336,6 +350,10 @@ async def run_against_url(url: str, requests: list[BenchRequest], vocab_size: in
         async def run_one(req: BenchRequest, rec: RequestRecord, now):
             body = {"model": model, "prompt": prompts[req.index], "max_tokens": req.max_tokens, "temperature": 0,
                     "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            if not pagedkv:
+                del body["ignore_eos"]
+                body["generation_config"] = json.dumps({"max_new_tokens": req.max_tokens, "do_sample": False,
+                                                        "min_new_tokens": req.max_tokens})
             async with session.post(f"{url}/v1/completions", json=body) as r:
                 if r.status != 200:
                     raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
@@ -348,16 +366,18 @@ async def run_against_url(url: str, requests: list[BenchRequest], vocab_size: in
                         rec.token_times.append(now())
                     if chunk.get("usage"):
                         rec.output_tokens = chunk["usage"]["completion_tokens"]
+                        rec.prompt_len = chunk["usage"].get("prompt_tokens", rec.prompt_len)
             rec.finish = now()
 
-        poller = asyncio.create_task(poll())
+        poller = asyncio.create_task(poll()) if pagedkv else None
         try:
             records, start = await _replay(requests, run_one, progress, desc)
         finally:
-            poller.cancel()
+            if poller:
+                poller.cancel()
         for s in samples:
             s.t -= start - clock["start"]
-        summary = summarize_run(records, samples, await _preemptions(session, url) - preemptions0)
+        summary = summarize_run(records, samples, (await _preemptions(session, url) - preemptions0) if pagedkv else 0)
         last = samples[-1] if samples else None
         summary["setup"] = {"url": url, "model": model, "max_model_len": max_model_len,
                             "pool_slots": last.pool if last else None}
@@ -554,6 +574,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                "instead of an in-process engine")
     g.add_argument("--poll-interval", type=_positive_float(), default=0.05, metavar="SECONDS",
                    help="--url: /kv_cache polling period")
+    g.add_argument("--url-api", choices=["pagedkv", "transformers"], default="pagedkv",
+                   help="--url: the server's kind; transformers: a `transformers serve` peer (no /kv_cache or "
+                        "/metrics; text prompts; exactly max_tokens through generation_config)")
+    g.add_argument("--text-prompts", action="store_true",
+                   help="--url: send the random prompts as text (decoded with the model's tokenizer.json), as "
+                        "--url-api transformers must; the server's prompt lengths are reported")
     g.add_argument("--output-dir", default="bench-results", metavar="DIR",
                    help="where report.json, report.md and the PNG plots go")
     g.add_argument("--name", default=None, help="file name prefix of the outputs (default: the trace name)")
@@ -581,6 +607,8 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
                      "request's real length)")
     if args.compare_allocators and args.block_size_sweep:
         parser.error("--compare-allocators and --block-size-sweep are separate runs: give one")
+    if (args.url_api != "pagedkv" or args.text_prompts) and not args.url:
+        parser.error("--url-api and --text-prompts describe a server: give --url")
     if args.url and not args.url.startswith(("http://", "https://")):
         parser.error(f"--url must start with http:// or https://, got {args.url!r}")
     if args.kv_cache_tokens is not None and args.num_gpu_blocks is not None:
@@ -628,8 +656,10 @@ async def main(args: argparse.Namespace, config, max_model_len: int, vocab_size:
     progress = not args.no_progress
     runs: dict[str, dict] = {}
     if args.url:
+        text = args.text_prompts or args.url_api == "transformers"
         runs["server"] = await run_against_url(args.url, requests, vocab_size, seed=args.seed,
-                                               poll_interval=args.poll_interval, progress=progress)
+                                               poll_interval=args.poll_interval, progress=progress, api=args.url_api,
+                                               text_tokenizer=str(Path(config.model) / "tokenizer.json") if text else None)
     elif args.compare_allocators:
         repeats = []
         for i in range(args.repeats):  # alternate the order, so load drift on the machine hits both alike

@@ -13,6 +13,8 @@ Each tree is run with its own virtualenv (``TREE/.venv/bin/pagedkv``). Prints pe
 and median ratios this / baseline.
 
     python ops/bench_before_after.py --baseline /work/wt/base --num-requests 200 --repeats 2
+    python ops/bench_before_after.py --baseline /work/wt/base --model /tmp/llama-200m --load-format dummy \
+        --num-requests 16 --repeats 1   # weights-bound (ops/weights_bound_model.py)
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def _free_port() -> int:
 def _bench_args(args, out: str, name: str) -> list[str]:
     return ["bench", "--model", args.model, "--trace", args.trace, "--num-requests", str(args.num_requests),
             "--request-rate", "inf", "--max-tokens", args.max_tokens, "--no-plots", "--no-progress",
-            "--output-dir", out, "--name", name]
+            "--output-dir", out, "--name", name, "--load-format", args.load_format]
 
 
 def in_process(tree: Path, args, out: str, name: str) -> dict:
@@ -59,7 +61,7 @@ def over_http(tree: Path, args, out: str, name: str) -> dict:
     port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     server = subprocess.Popen([str(tree / ".venv/bin/pagedkv"), "serve", "--model", args.model, "--port", str(port),
-                               "--log-level", "warning"], cwd=tree, env=env, stdout=subprocess.DEVNULL,
+                               "--log-level", "warning", "--load-format", args.load_format], cwd=tree, env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 300
@@ -92,6 +94,8 @@ def main() -> None:
     p.add_argument("--num-requests", type=int, default=200)
     p.add_argument("--max-tokens", default="trace", choices=["trace", "max-model-len"])
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--load-format", default="auto", help="dummy: random weights (a model directory without them, "
+                   "e.g. ops/weights_bound_model.py's)")
     p.add_argument("--skip-http", action="store_true")
     p.add_argument("--timeout", type=float, default=1800)
     args = p.parse_args()

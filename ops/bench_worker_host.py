@@ -171,7 +171,8 @@ def main() -> None:
             extra = ["--attention-backend", backend] if backend else []
             out = subprocess.run([python, *cmd, *extra], capture_output=True, text=True, check=True, cwd="/tmp")
             runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
-    print(f"worker host CPU ms per decode step (thread time; wall in brackets), stub forward, vocab {args.vocab}, "
+    forward = f"real forward of {args.model}" if args.model else f"stub forward, vocab {args.vocab}"
+    print(f"worker host CPU ms per decode step (thread time; wall in brackets), {forward}, "
           f"block_size {args.block_size}, median of {args.steps - 3} steps; median over {args.repeats} "
           "alternating repeat(s)")
     head = f"{'shape':>10} " + " ".join(f"{n + ' exec [wall]':>22} {n + ' p90':>12} {n + ' decode':>14}"

@@ -145,7 +145,25 @@ async def test_bench_against_a_server_polls_kv_cache(stories260k):
     assert max(s["allocated"] for s in run["samples"]) <= 4 * 4 * 16
 
 
+async def test_text_prompts_reach_the_server_at_the_requested_token_lengths(stories260k):
+    engine = await Engine.start(EngineConfig(model=str(stories260k), num_gpu_blocks=32))
+    server = TestServer(build_app(engine), host="127.0.0.1", port=0)
+    await server.start_server()
+    try:
+        rows = [TraceRow(0.0, n, 3) for n in (2, 17, 40, 100)]
+        reqs, _ = build_requests(rows, 4, engine.max_model_len, 1.0, request_rate=math.inf)
+        run = await run_against_url(str(server.make_url("/")), reqs, engine.model_config.vocab_size, progress=False,
+                                    text_tokenizer=str(stories260k / "tokenizer.json"))
+    finally:
+        await server.close()
+        await engine.shutdown()
+    # whole-word pieces re-encode one token each; the server adds BOS: the prompt lengths asked for
+    assert run["num_completed"] == 4 and run["output_tokens"] == 12
+    assert run["prompt_tokens"] == 2 + 17 + 40 + 100
+
+
 @pytest.mark.parametrize("extra,flag", [(["--num-requests", "0"], "--num-requests"),
+                                        (["--url-api", "transformers"], "--url-api"),
                                         (["--block-size-sweep", "8,12"], "--block-size-sweep"),
                                         (["--request-rate", "-1"], "--request-rate"),
                                         (["--token-scale", "x"], "--token-scale"),

@@ -741,7 +741,7 @@ class _API:
         if req.echo:
             prompt_texts = [t if t is not None else engine.tokenizer.decode(ids) for t, ids in zip(prompt_texts, prompts)]
         created = int(time.time())
-        gen = _Generation(engine, prompts, params, request_id, self._extra(req, request))
+        gen = _Generation(engine, prompts, params, request_id, self._extra(req, request) | {"prompt_only": echo_only})
         model = engine.served_model_names[0]
         offsets = [0] * len(gen.choices)
 
@@ -807,10 +807,16 @@ class _API:
             snap = engine.kv_cache_snapshot()
             room = min(engine.max_model_len, snap["num_gpu_blocks"] * snap["block_size"]) - len(prompt)
             max_tokens = max(room, 1)
-        params = _sampling_params(req, engine, max_tokens=max_tokens,
-                                  logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+        try:
+            params = _sampling_params(req, engine, max_tokens=max_tokens,
+                                      logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+            gen = _Generation(engine, [prompt], params, request_id, self._extra(req, request))
+        except APIError as e:  # name the field the client sent
+            if e.param == "max_tokens" and req.max_completion_tokens is not None:
+                e.param = "max_completion_tokens"
+                e.message = re.sub(r"\bmax_tokens\b", "max_completion_tokens", e.message)
+            raise
         created = int(time.time())
-        gen = _Generation(engine, [prompt], params, request_id, self._extra(req, request))
         model = engine.served_model_names[0]
 
         if not req.stream:

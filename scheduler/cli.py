@@ -213,7 +213,7 @@ def _add_log_args(g) -> None:
     g.add_argument("--log-format", choices=["console", "json"], default="console",
                    help="console: for people; json: one object per line")
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info",
-                   help="debug also prints the traceback of a failure")
+                   help="debug adds a line per request and per engine step, and the traceback of a failure")
 
 
 def _engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> EngineConfig:
@@ -336,7 +336,7 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, sock: socket.so
         snap = engine.kv_cache_snapshot()
         if engine.random_weights:
             log.warning("model weights are RANDOM: outputs are noise", model=engine.model_config.name)
-        log.info("serving", model=engine.model_config.name, path=engine.model_config.path,
+        log.info("serving", model=engine.served_model_names[0], path=engine.model_config.path,
                  random_weights=engine.random_weights, num_gpu_blocks=snap["num_gpu_blocks"],
                  block_size=snap["block_size"], kv_cache_dtype=snap["kv_cache_dtype"], max_model_len=engine.max_model_len,
                  url=f"http://{args.host}:{port}", api_keys=api_keys.enabled,
@@ -354,13 +354,14 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, sock: socket.so
         log.info("shutting down", signal=signals[0].name if signals else None, shutdown_timeout=args.shutdown_timeout)
         await engine.drain(args.shutdown_timeout)
         return 0
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
+    finally:  # a signal during teardown still lands in on_signal: the exit status stays this one
         if watch is not None:
             watch.cancel()
         await runner.cleanup()
         await engine.shutdown()
+        for sig in (signal.SIGINT, signal.SIGTERM):  # and ignored from here until the process exits
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def _api_keys(args: argparse.Namespace, parser: argparse.ArgumentParser):

@@ -15,6 +15,7 @@ cannot go on, `failed` is set and `pagedkv serve` exits non-zero.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections import deque
@@ -188,10 +189,12 @@ class Engine:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, *, priority: int = 0, cache_salt: str | None = None,
-                    traceparent: str | None = None) -> AsyncIterator[RequestOutput]:
+                    traceparent: str | None = None, prompt_only: bool = False) -> AsyncIterator[RequestOutput]:
         """Queue a request; returns the async iterator of its output deltas (all choices).
 
         traceparent: the client's W3C Trace Context header; the request's span continues that trace.
+        prompt_only: the caller drops the sampled tokens (echo with ``max_tokens`` 0 scores the prompt:
+        one token is generated, as vLLM does); the request log and span count no completion tokens.
 
         n > 1 samples n sequences that share the prompt's blocks; ``use_beam_search`` returns the
         n best beams, all at the end. Raises ValueError("<field>: <why>") when the request can
@@ -208,6 +211,7 @@ class Engine:
             raise ValueError(f"request_id: {request_id!r} is already running")
         stream, members = self.output.add(request_id, prompt_token_ids, params, time.monotonic(), priority,
                                           cache_salt)
+        stream.prompt_only = prompt_only
         if self.tracer is not None:
             stream.span = self.tracer.start_request(request_id, self.model_config.name, len(prompt_token_ids),
                                                     stream.arrival_time, traceparent,
@@ -215,6 +219,8 @@ class Engine:
                                                                 "gen_ai.request.max_tokens": params.max_tokens})
         for req in members:
             self.scheduler.add(req)
+        log.debug("request added", request_id=request_id, prompt_tokens=len(prompt_token_ids),
+                  max_tokens=params.max_tokens, n=params.n, priority=priority)
         self._wake.set()
         return self._iterate(stream)
 
@@ -308,11 +314,23 @@ class Engine:
                 for hook in self.step_hooks:
                     hook(step)
                 self._apply_result(result)
+                if log.is_enabled_for(logging.DEBUG):
+                    self._log_step(step, result)
         except _EngineFailed:
             pass
         except Exception as e:  # a bug in the control plane: fail every request, and exit so a supervisor restarts us
             log.exception("engine loop crashed")
             self._fail_all(f"engine loop crashed: {e!r}")
+
+    def _log_step(self, step: ScheduledStep, result: StepResult) -> None:
+        """One debug line per step: what ran, what moved, what is left queued (``--log-level debug``)."""
+        plan, sched = step.plan, self.scheduler
+        log.debug("step", step_id=plan.step_id, num_requests=len(step.num_scheduled_tokens),
+                  num_new_requests=len(plan.new_requests), num_scheduled_tokens=sum(step.num_scheduled_tokens.values()),
+                  num_swapped_out=len(plan.blocks_to_swap_out), num_swapped_in=len(plan.blocks_to_swap_in),
+                  num_copied=len(plan.blocks_to_copy), num_preempted=len(step.preempted),
+                  running=len(sched.running), waiting=len(sched.waiting), swapped=len(sched.swapped),
+                  kv_usage=round(self.kv.usage, 4), forward_ms=round(result.forward_seconds * 1000, 3))
 
     async def _advise(self) -> None:
         """Sample the pool for the advisor every ``interval_s``; log the advice when it changes."""
@@ -536,15 +554,15 @@ class Engine:
                 if m.index < stream.n:
                     self.advisor.on_finished(now, m.num_tokens)
         self.metrics.on_request_preemptions(sum(m.num_preemptions for m in stream.members))
+        completion_tokens = 0 if stream.prompt_only else sum(m.num_output_tokens for m in stream.members
+                                                             if m.index < stream.n)
         if stream.span is not None:
-            self.tracer.end_request(stream.span, [m.request_id for m in stream.members],
-                                    sum(m.num_output_tokens for m in stream.members if m.index < stream.n),
+            self.tracer.end_request(stream.span, [m.request_id for m in stream.members], completion_tokens,
                                     status.finish_reason, stream.arrival_time, stream.first_token_time, error)
         ttft = None if stream.first_token_time is None else round(stream.first_token_time - stream.arrival_time, 6)
         first = stream.members[0]
         log.info("request finished", request_id=stream.request_id, finish_reason=status.finish_reason,
-                 n=stream.n, prompt_tokens=first.num_prompt_tokens,
-                 completion_tokens=sum(m.num_output_tokens for m in stream.members if m.index < stream.n),
+                 n=stream.n, prompt_tokens=first.num_prompt_tokens, completion_tokens=completion_tokens,
                  cached_tokens=first.num_cached_tokens, ttft_s=ttft, e2e_s=round(now - stream.arrival_time, 6),
                  num_preemptions=sum(m.num_preemptions for m in stream.members),
                  **({"error": error} if error else {}))

@@ -91,6 +91,7 @@ class RequestStream:
         self.prompt_logprobs: list[TokenLogprob | None] | None = None  # sized by OutputProcessor.add
         self.prompt_logprobs_sent: set[int] = set()  # choice indices whose first delta carried them
         self.queued: list[Request] = []  # its sequences set aside while quarantined (Engine._step_failed)
+        self.prompt_only = False  # its sampled tokens are dropped (echo with max_tokens 0): none count as output
 
     @property
     def done(self) -> bool:

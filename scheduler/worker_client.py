@@ -15,6 +15,11 @@ MAC, or from any peer but the registered ranks, are dropped and logged, never de
 exception is an authenticated Register from a new peer to a lone external worker's socket: its
 supervisor restarted it, so the old one is gone; the client fails (`WorkerFailed`) and
 `forget_worker` lets the engine take the new one on the same socket.
+
+An external worker that dies (kill -9, a crash) is noticed within `_POLL_SECONDS`, idle or not: a
+socket monitor reports the end of its connection, the one its authenticated Register came on
+(matched by file descriptor, so another peer's disconnect counts for nothing), and ZMTP heartbeats
+close the connection of a host that vanished without one (`_HEARTBEAT_MS`).
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from zmq.utils.monitor import parse_monitor_message
+
 from pagedkv.common import protocol
 from pagedkv.common.config import EngineConfig
 from pagedkv.common.log import get_logger
@@ -43,6 +50,7 @@ from pagedkv.common.log import get_logger
 log = get_logger("pagedkv.worker_client")
 
 _POLL_SECONDS = 0.5  # how often a waiting call checks that a spawned worker is still alive
+_HEARTBEAT_MS = (1000, 5000)  # ZMTP PING every 1 s; no traffic for 5 s closes the connection (a vanished host)
 _START_SECONDS = 600.0  # loading a large checkpoint and profiling may take minutes; steps may not
 
 
@@ -120,8 +128,16 @@ class WorkerClient:
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._monitor = None  # external ranks: their connections' ends (spawned ones are watched by pid)
+        if not spawn:
+            self._sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS[0])
+            self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_MS[1])
+            self._monitor_owner = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._monitor = zmq.Socket.shadow(self._monitor_owner.underlying)  # read without awaiting
         self._sock.bind(self.address)
         self._identities: list[bytes] = []  # ZeroMQ identity of each rank, in rank order
+        self._fds: dict[bytes, tuple[int, int]] = {}  # identity -> (its connection's fd, its pid), from Register
+        self._last_fd: int | None = None  # the connection the last delivery came on
         self._registering: set[bytes] = set()  # peers whose authenticated Register was taken by `start`
         self._successor: tuple[bytes, protocol.Register] | None = None  # a new external worker's Register
         self.failed: str | None = None
@@ -241,9 +257,12 @@ class WorkerClient:
                 self.failed = f"expected {what} from every rank, got {msg!r:.200} from rank {rank}"
                 raise WorkerFailed(self.failed)
             if self.world_size > 1 and getattr(msg, "error", None) is not None:
-                # a dead spawned rank is the cause its peer's error only hints at; its exit may take a moment
-                for _ in range(10 if self.processes else 0):
+                # a dead rank is the cause its peer's error only hints at; its exit may take a moment
+                for _ in range(10 if self.processes or self._monitor is not None else 0):
                     self._check_processes()
+                    self._check_connections()
+                    if self.failed is not None:
+                        raise WorkerFailed(self.failed)
                     await asyncio.sleep(0.1)
                 self.failed = f"worker group failed step {step_id}: {msg.error}"
                 raise WorkerFailed(self.failed)
@@ -262,8 +281,12 @@ class WorkerClient:
                 who = "worker" if self.world_size == 1 else f"worker {waiting_for}"
                 self.failed = f"{who} did not answer within {timeout:g} s (--worker-timeout)"
                 raise WorkerFailed(self.failed)
-            if await self._sock.poll(timeout=int(min(_POLL_SECONDS, remaining) * 1000)):
-                frames = await self._sock.recv_multipart()
+            if not await self._sock.poll(timeout=int(min(_POLL_SECONDS, remaining) * 1000)):
+                self._check_connections()
+                if self.failed is not None:
+                    raise WorkerFailed(self.failed)
+            else:
+                frames = await self._recv()
                 msg = self._open(frames)
                 if self.failed is not None:  # a new worker registered in this one's place
                     raise WorkerFailed(self.failed)
@@ -273,6 +296,32 @@ class WorkerClient:
                     self.failed = f"worker error: {msg.message}"
                     raise WorkerFailed(self.failed)
                 return frames[0], msg
+
+    async def _recv(self) -> list[bytes]:
+        """One ROUTER delivery as bytes; the connection each authenticated Register came on is noted
+        (for an external rank) so that its end can be told from another peer's (`_check_connections`)."""
+        frames = await self._sock.recv_multipart(copy=False)
+        if self._monitor is not None and len(frames) == 2:
+            self._check_connections()  # events of earlier connections first: their fd may be reused by this one
+            try:
+                self._last_fd = frames[1].get(zmq.SRCFD)
+            except zmq.ZMQError:  # a ZMTP 1.0 peer's frames carry none (libzmq); never a worker's
+                self._last_fd = None
+        return [f.bytes for f in frames]
+
+    def _check_connections(self) -> None:
+        """Read the monitor's pending events; the end of a registered rank's connection fails the client."""
+        if self._monitor is None:
+            return
+        while self._monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
+            rank = next((r for r, identity in enumerate(self._identities)
+                         if self._fds.get(identity, (None,))[0] == event["value"]), None)
+            if rank is not None and self.failed is None:
+                who = "external worker" if self.world_size == 1 else f"external worker rank {rank}"
+                self.failed = f"{who} (pid {self._fds[self._identities[rank]][1]}) disconnected"
+                log.warning("worker disconnected", rank=rank, pid=self._fds[self._identities[rank]][1],
+                            address=self.address)
 
     def _open(self, frames: list[bytes]):
         """The verified message of a ROUTER delivery, or None when it was dropped (and counted).
@@ -302,6 +351,8 @@ class WorkerClient:
                 elif not registered and not known and not isinstance(msg, protocol.Register):
                     why = f"{type(msg).__name__} before Register"
                 else:
+                    if isinstance(msg, protocol.Register) and self._monitor is not None:
+                        self._fds[frames[0]] = (self._last_fd, msg.pid)
                     return msg
         self._dropped += 1
         now = time.monotonic()
@@ -319,16 +370,18 @@ class WorkerClient:
                 raise WorkerFailed(self.failed)
 
     async def check_alive(self) -> None:
-        """Raise WorkerFailed when the worker is known to be gone: a spawned rank that exited, or an
-        external worker whose successor registered. Never waits; for an idle engine."""
+        """Raise WorkerFailed when the worker is known to be gone: a spawned rank that exited, an
+        external rank whose connection ended, or an external worker whose successor registered.
+        Never waits; for an idle engine."""
         if self.failed is None:
             try:
                 self._check_processes()
             except WorkerFailed:
                 pass  # self.failed says why
         while self.failed is None and self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            if (msg := self._open(await self._sock.recv_multipart())) is not None:
+            if (msg := self._open(await self._recv())) is not None:
                 log.warning("dropped an unexpected message from an idle worker", type=type(msg).__name__)
+        self._check_connections()
         if self.failed is not None:
             raise WorkerFailed(self.failed)
 
@@ -346,6 +399,7 @@ class WorkerClient:
                 except zmq.ZMQError:
                     pass
         self._identities, self.failed = [], None
+        self._fds.clear()
 
     async def kill(self) -> None:
         """Kill every spawned rank for certain (SIGKILL) and reap it: a failed worker must not hold its pool.
@@ -376,6 +430,9 @@ class WorkerClient:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+        if self._monitor is not None:
+            self._sock.disable_monitor()
+            self._monitor_owner.close(linger=0)
         self._sock.close(linger=0)
         self._ctx.term()
         if self.address.startswith("ipc://"):

@@ -177,3 +177,17 @@ async def test_chat_assistant_message_with_null_content_renders_as_empty(http):
         "max_tokens": 60, "temperature": 0})
     assert resp.status == 200, await resp.text()
     assert (await resp.json())["choices"][0]["message"]["content"] == GOLDEN_COMPLETION
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+async def test_chat_length_errors_name_the_field_that_was_sent(http, field):
+    chat = {"messages": [{"role": "user", "content": GOLDEN_PROMPT}]}
+    resp = await http.post("/v1/chat/completions", json={**chat, field: 0})
+    assert resp.status == 400
+    assert (await resp.json())["error"] == {"message": f"{field}: must be >= 1, got 0", "type": "invalid_request_error",
+                                           "param": field, "code": None}
+    resp = await http.post("/v1/chat/completions", json={**chat, field: 600})  # past max_model_len (512)
+    assert resp.status == 400
+    error = (await resp.json())["error"]
+    assert error["param"] == field and error["message"].startswith(f"{field}: prompt (5 tokens) + {field} (600) ")
+    assert "max_tokens" not in error["message"] or field == "max_tokens"

@@ -168,3 +168,44 @@ def test_connections_beyond_the_open_files_limit_are_logged(stories260k, tmp_pat
     event = next(json.loads(x) for x in (tmp_path / "serve.log").read_text().splitlines()
                  if "open files near the limit" in x)
     assert event["level"] == "error" and event["limit"] == 96
+
+
+def test_serve_logs_served_name_debug_steps_and_absorbs_signals_while_tearing_down(stories260k):
+    """The "serving" line names --served-model-name; --log-level debug adds a line per request and per
+    step; an echo with max_tokens 0 logs no completion tokens; SIGTERMs sent throughout the drain and
+    the teardown leave the exit status 0 (a second one once killed the server with -15)."""
+    import threading
+
+    server = Server("--model", str(stories260k), *SMALL_POOL, "--served-model-name", "tiny-stories",
+                    "--log-level", "debug")
+    assert server.events[-1]["event"] == "serving" and server.events[-1]["model"] == "tiny-stories"
+    golden = server.post("/v1/completions", {"prompt": GOLDEN_PROMPT, "max_tokens": 60, "temperature": 0})
+    echo = server.post("/v1/completions", {"prompt": GOLDEN_PROMPT, "max_tokens": 0, "echo": True, "logprobs": 1})
+    assert golden["usage"]["completion_tokens"] == 60 and echo["usage"]["completion_tokens"] == 0
+
+    def keep_signalling() -> None:
+        while server.proc.poll() is None:
+            try:
+                server.proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                return
+            time.sleep(0.005)
+
+    signaller = threading.Thread(target=keep_signalling)
+    signaller.start()
+    rest = server.proc.stderr.read()
+    code = server.proc.wait(timeout=120)
+    signaller.join()
+    assert code == 0
+    events = server.events + [json.loads(x) for x in rest.splitlines() if x.startswith("{")]
+    finished = {e["request_id"]: e["completion_tokens"] for e in events if e["event"] == "request finished"}
+    assert finished == {golden["id"]: 60, echo["id"]: 0}
+    added = [(e["request_id"], e["prompt_tokens"], e["max_tokens"], e["level"]) for e in events
+             if e["event"] == "request added"]
+    assert added == [(golden["id"], 5, 60, "debug"), (echo["id"], 5, 1, "debug")]
+    steps = [e for e in events if e["event"] == "step"]
+    # the golden: a 5-token prefill, then 59 one-token decodes; the echo: its 5-token prefill
+    assert [s["num_scheduled_tokens"] for s in steps] == [5] + [1] * 59 + [5]
+    assert [s["num_new_requests"] for s in steps] == [1] + [0] * 59 + [1]
+    assert {s["level"] for s in steps} == {"debug"} and steps[-1]["running"] == 0
+    assert [e["event"] for e in events].count("shutting down") == 1

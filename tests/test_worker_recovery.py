@@ -11,8 +11,10 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
-from conftest import GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS, assert_all_blocks_free, collect, metric
+from conftest import (GOLDEN_COMPLETION, GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT, GOLDEN_PROMPT_IDS, assert_all_blocks_free,
+                      collect, metric)
 
 from pagedkv.common.sampling_params import SamplingParams
 
@@ -175,12 +177,13 @@ async def test_an_external_worker_restarted_by_its_supervisor_takes_over(stories
         assert metric(engine, RESTARTS) == 1 and engine.health() == (True, "ok")
         assert_all_blocks_free(engine)
 
-        workers[1].kill()  # idle: the successor's Register is noticed without a request
+        workers[1].kill()  # idle: the end of its connection is noticed without a request
         workers[1].wait()
-        workers.append(_external_worker(address, secret))
         states = []
+        await _until(lambda: states.append(engine.health()[1]) or not engine.healthy, timeout=30, every=0.005)
+        assert states[-1].startswith(f"recovering: external worker (pid {workers[1].pid}) disconnected")
+        workers.append(_external_worker(address, secret))
         await _until(lambda: states.append(engine.health()[1]) or metric(engine, RESTARTS) == 2)
-        assert any(s.startswith("recovering: a new worker (pid ") for s in states)
         tokens, _, _ = await collect(engine.add_request(GOLDEN_PROMPT_IDS, SamplingParams(temperature=0, max_tokens=60)))
         assert tokens == GOLDEN_OUTPUT_IDS
         assert_all_blocks_free(engine)
@@ -190,3 +193,51 @@ async def test_an_external_worker_restarted_by_its_supervisor_takes_over(stories
             if w.poll() is None:
                 w.kill()
             w.wait()
+
+
+def test_serve_notices_an_idle_external_workers_death_and_takes_its_replacement(stories260k, monkeypatch):
+    """`pagedkv serve --external-worker --worker-address tcp://...` (the compose stack): a kill -9 of the
+    idle worker turns /health 503 naming it, long before --worker-timeout (600 s here) and with no
+    request to find out; junk peers that connect and leave count for nothing; a replacement that
+    registers brings /health back to 200 and serves the golden."""
+    from test_cli import SMALL_POOL, Server
+    from test_serve_lifecycle import _get
+    from test_worker_channel import _attack, _free_port
+
+    secret, address = "fedcba9876543210" * 4, f"tcp://127.0.0.1:{_free_port()}"
+    monkeypatch.setenv("PAGEDKV_WORKER_SECRET", secret)
+    workers = [_external_worker(address, secret)]
+    server = Server("--model", str(stories260k), *SMALL_POOL, "--worker-address", address, "--external-worker",
+                    "--worker-timeout", "600", "--max-worker-restarts", "2")
+    try:
+        body = server.post("/v1/completions", {"prompt": GOLDEN_PROMPT, "max_tokens": 60, "temperature": 0})
+        assert body["choices"][0]["text"] == GOLDEN_COMPLETION
+        asyncio.run(_attack(address))  # peers that connect, send junk and disconnect
+        time.sleep(1.0)
+        assert _get(server.url + "/health") == (200, {"status": "ok"})
+
+        workers[0].kill()
+        workers[0].wait()
+        deadline = time.monotonic() + 30
+        while (health := _get(server.url + "/health"))[0] == 200:
+            assert time.monotonic() < deadline, "the dead worker was not noticed"
+            time.sleep(0.01)
+        assert health[0] == 503 and health[1]["status"] == "recovering"
+        assert health[1]["reason"].startswith(f"external worker (pid {workers[0].pid}) disconnected; restart 1 of 2")
+
+        workers.append(_external_worker(address, secret))
+        while _get(server.url + "/health")[0] != 200:
+            assert time.monotonic() < deadline + 120, "the replacement did not take over"
+            time.sleep(0.05)
+        body = server.post("/v1/completions", {"prompt": GOLDEN_PROMPT, "max_tokens": 60, "temperature": 0})
+        assert body["choices"][0]["text"] == GOLDEN_COMPLETION
+    finally:
+        code, events = server.stop(signal.SIGTERM)
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+            w.wait()
+    assert code == 0
+    disconnected = [e for e in events if e["event"] == "worker disconnected"]
+    assert [(e["rank"], e["pid"]) for e in disconnected] == [(0, workers[0].pid)]
+    assert [e["event"] for e in events].count("worker recovered") == 1

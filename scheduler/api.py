@@ -13,8 +13,9 @@ Routes (OpenAI API reference, vLLM's extra fields):
   ``GET /kv_cache/advice`` (tuning advice, `scheduler.advice`), ``GET /kv_cache/ui`` (the live
   block-pool page, ``kv_cache_ui.html``).
 
-With API keys (`api_keys.APIKeys`) every route but /health and /metrics needs
-``Authorization: Bearer KEY``; without one the answer is 401 in OpenAI's error format.
+With API keys (`api_keys.APIKeys`) every route but /health, /metrics and /kv_cache/ui needs
+``Authorization: Bearer KEY``; without one the answer is 401 in OpenAI's error format. The page at
+/kv_cache/ui holds no data: it asks for the key and sends it with each of its own requests.
 
 Every invalid request gets an OpenAI-style error body naming the field::
 
@@ -51,7 +52,8 @@ ENGINE_KEY: web.AppKey = web.AppKey("engine", object)  # the app's engine, for s
 API_KEYS: web.AppKey = web.AppKey("api_keys", APIKeys)
 MAX_BYTES: web.AppKey = web.AppKey("max_request_bytes", int)
 TENANT: web.RequestKey = web.RequestKey("tenant", object)  # the caller's API-key fingerprint, None when keys are off
-_OPEN_ROUTES = ("/health", "/metrics")  # orchestrators and Prometheus probe these without a key
+# orchestrators and Prometheus probe these without a key; a browser cannot send one for the (static) page
+_OPEN_ROUTES = ("/health", "/metrics", "/kv_cache/ui")
 
 # Request bodies above this are refused with 413 (`--max-request-bytes`; long token-id lists fit).
 MAX_REQUEST_BYTES = 32 * 2**20
@@ -108,7 +110,7 @@ def _json(obj: Any, status: int = 200) -> web.Response:
 
 @web.middleware
 async def _auth(request: web.Request, handler):
-    """Bearer API keys on every route but /health and /metrics; 401 in OpenAI's format without one."""
+    """Bearer API keys on every route but `_OPEN_ROUTES`; 401 in OpenAI's format without one."""
     if request.path not in _OPEN_ROUTES:
         try:
             request[TENANT] = request.app[API_KEYS].check(request.headers.get("Authorization"),

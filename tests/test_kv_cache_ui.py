@@ -19,6 +19,7 @@ from browser import Chromium
 
 from pagedkv.common.config import EngineConfig
 from pagedkv.scheduler.api import build_app
+from pagedkv.scheduler.api_keys import APIKeys
 from pagedkv.scheduler.engine import Engine
 
 # The page's colours (kv_cache_ui.html): free, cached and evictable, referenced once, shared, host used.
@@ -124,10 +125,10 @@ async def hover_block(page, block: int) -> str:
 async def served(stories260k):
     engines, servers = [], []
 
-    async def serve(**kw) -> tuple[Engine, str]:
+    async def serve(api_keys: APIKeys | None = None, **kw) -> tuple[Engine, str]:
         engine = await Engine.start(EngineConfig(model=str(stories260k), device="cpu", worker_timeout=60, **kw))
         engines.append(engine)
-        server = TestServer(build_app(engine), host="127.0.0.1", port=0)
+        server = TestServer(build_app(engine, api_keys=api_keys), host="127.0.0.1", port=0)
         await server.start_server()
         servers.append(server)
         return engine, str(server.make_url("")).rstrip("/")
@@ -181,6 +182,70 @@ async def test_page_draws_every_block_as_kv_cache_reports_it_and_follows_request
         assert done["snapshot"] == now and done["counts"] == expected_counts(now)
         assert done["counts"]["ref1"] == done["counts"]["shared"] == 0 and done["counts"]["cached"] >= 2
         assert engine.scheduler.num_preemptions > 0
+        await page.close()
+
+
+async def test_with_api_keys_the_page_asks_for_the_key_keeps_it_for_the_tab_and_sends_it(served, tmp_path):
+    """Keys on: the page loads without a key (it holds no data), says why /kv_cache refused it, takes
+    the key from its form (a wrong one is refused with the server's reason), keeps it in the tab's
+    sessionStorage across a reload, sends it as a bearer token, and draws the pool exactly."""
+    engine, base = await served(num_gpu_blocks=16, swap_space=0.0005, api_keys=APIKeys(["sk-alice"], ["sk-admin"]))
+    status = "document.getElementById('status').textContent"
+    form_shown = "!document.getElementById('auth').hidden"
+
+    async def enter_key(page, key: str) -> None:
+        await page.evaluate("document.getElementById('key').focus()")
+        await page.send("Input.insertText", text=key)
+        await page.evaluate("document.querySelector('#auth button').click()")
+
+    def kv_cache_auth(page) -> list:
+        """The Authorization header of every /kv_cache request the page sent, in order (None: none)."""
+        return [e["params"]["request"]["headers"].get("Authorization") for e in page.events
+                if e["method"] == "Network.requestWillBeSent" and e["params"]["request"]["url"].endswith("/kv_cache")]
+
+    async with aiohttp.ClientSession(base) as http, Chromium(tmp_path / "profile") as browser:
+        async with http.get("/kv_cache/ui") as resp:
+            assert resp.status == 200 and resp.content_type == "text/html"
+        async with http.get("/kv_cache/advice") as resp:
+            assert resp.status == 401
+        page = await browser.page(f"{base}/kv_cache/ui?interval=150")
+        await page.wait_for(f"{form_shown} && {status}.includes('401')")
+        assert await page.evaluate(status) == (
+            "this server needs an API key (/kv_cache: HTTP 401: You didn't provide an API key. You need to provide "
+            "your API key in an Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).); "
+            "enter it to watch the pool")
+        assert await page.evaluate("document.getElementById('status').className") == "error"
+        assert await page.evaluate("kvui.state.renders") == 0
+
+        await enter_key(page, "sk-alice")  # a key, but not the admin key /kv_cache takes
+        await page.wait_for(f"{form_shown} && {status}.startsWith('the API key was refused')")
+        assert await page.evaluate(status) == ("the API key was refused (/kv_cache: HTTP 401: Incorrect API key "
+                                               "provided.); enter it to watch the pool")
+        assert await page.evaluate("sessionStorage.getItem('pagedkv-api-key')") is None
+
+        await enter_key(page, "sk-admin")
+        await page.wait_for("kvui.state.renders >= 1")
+        assert not await page.evaluate(form_shown)
+        assert await page.evaluate("document.getElementById('status').className") == ""
+        assert await page.evaluate("sessionStorage.getItem('pagedkv-api-key')") == "sk-admin"
+        sent = kv_cache_auth(page)
+        assert sent[:2] == [None, "Bearer sk-alice"] and set(sent[2:]) == {"Bearer sk-admin"}
+        idle = await observe(page)
+        assert idle["counts"] == {"free": 16, "cached": 0, "ref1": 0, "shared": 0}
+
+        await page.send("Page.reload")  # the same tab: the key is kept, not asked for again
+        await page.wait_for("kvui.state.renders >= 1")
+        assert not await page.evaluate(form_shown)
+        await page.evaluate("document.getElementById('forget').click()")
+        assert await page.evaluate("sessionStorage.getItem('pagedkv-api-key')") is None
+        await page.wait_for(f"{form_shown} && {status}.startsWith('this server needs an API key')")  # asked again
+
+        page.events.clear()
+        await page.send("Page.navigate", url=f"{base}/kv_cache/ui?interval=200#key=sk-admin")
+        await page.wait_for("kvui.state.renders >= 1")
+        assert await page.evaluate("location.hash") == ""  # out of the address bar and the history
+        assert await page.evaluate("sessionStorage.getItem('pagedkv-api-key')") == "sk-admin"
+        assert set(kv_cache_auth(page)) == {"Bearer sk-admin"}
         await page.close()
 
 

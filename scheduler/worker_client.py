@@ -136,7 +136,9 @@ class WorkerClient:
             self._monitor = zmq.Socket.shadow(self._monitor_owner.underlying)  # read without awaiting
         self._sock.bind(self.address)
         self._identities: list[bytes] = []  # ZeroMQ identity of each rank, in rank order
-        self._fds: dict[bytes, tuple[int, int]] = {}  # identity -> (its connection's fd, its pid), from Register
+        self._registered: dict[bytes, protocol.Register] = {}  # identity -> its Register (external ranks)
+        self._fds: dict[bytes, int | None] = {}  # identity -> the fd of the connection its Register came on
+        self._gone: set[bytes] = set()  # registered identities whose connection ended
         self._last_fd: int | None = None  # the connection the last delivery came on
         self._registering: set[bytes] = set()  # peers whose authenticated Register was taken by `start`
         self._successor: tuple[bytes, protocol.Register] | None = None  # a new external worker's Register
@@ -310,18 +312,24 @@ class WorkerClient:
         return [f.bytes for f in frames]
 
     def _check_connections(self) -> None:
-        """Read the monitor's pending events; the end of a registered rank's connection fails the client."""
+        """Read the monitor's pending events; the end of the connection of a rank of the group (or of
+        one registering for it) fails the client. Other peers' disconnects count for nothing."""
         if self._monitor is None:
             return
         while self._monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
-            rank = next((r for r, identity in enumerate(self._identities)
-                         if self._fds.get(identity, (None,))[0] == event["value"]), None)
-            if rank is not None and self.failed is None:
-                who = "external worker" if self.world_size == 1 else f"external worker rank {rank}"
-                self.failed = f"{who} (pid {self._fds[self._identities[rank]][1]}) disconnected"
-                log.warning("worker disconnected", rank=rank, pid=self._fds[self._identities[rank]][1],
-                            address=self.address)
+            fd = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))["value"]
+            for identity in [i for i, known in self._fds.items() if known == fd]:
+                del self._fds[identity]  # the fd may serve a new connection next
+                self._gone.add(identity)
+        group = (*self._identities, *self._registering, *self._successors())
+        if self.failed is None and (gone := next((i for i in group if i in self._gone), None)) is not None:
+            reg = self._registered[gone]
+            who = "external worker" if self.world_size == 1 else f"external worker rank {reg.rank}"
+            self.failed = f"{who} (pid {reg.pid}) disconnected"
+            log.warning("worker disconnected", rank=reg.rank, pid=reg.pid, address=self.address)
+
+    def _successors(self) -> tuple[bytes, ...]:
+        return (self._successor[0],) if self._successor is not None else ()
 
     def _open(self, frames: list[bytes]):
         """The verified message of a ROUTER delivery, or None when it was dropped (and counted).
@@ -345,14 +353,15 @@ class WorkerClient:
                 if registered and not known:
                     why = "a peer other than the registered workers"
                     if isinstance(msg, protocol.Register) and not self.spawn and self.world_size == 1:
+                        self._note_register(frames[0], msg)
                         self._successor = (frames[0], msg)
                         self.failed = f"a new worker (pid {msg.pid}) registered: the previous one is gone"
                         return None
                 elif not registered and not known and not isinstance(msg, protocol.Register):
                     why = f"{type(msg).__name__} before Register"
                 else:
-                    if isinstance(msg, protocol.Register) and self._monitor is not None:
-                        self._fds[frames[0]] = (self._last_fd, msg.pid)
+                    if isinstance(msg, protocol.Register):
+                        self._note_register(frames[0], msg)
                     return msg
         self._dropped += 1
         now = time.monotonic()
@@ -360,6 +369,10 @@ class WorkerClient:
             log.warning("dropped worker-channel messages", address=self.address, count=self._dropped, last=why)
             self._dropped, self._dropped_logged_at = 0, now
         return None
+
+    def _note_register(self, identity: bytes, msg: protocol.Register) -> None:
+        if self._monitor is not None:  # external: watch the connection it came on
+            self._registered[identity], self._fds[identity] = msg, self._last_fd
 
     def _check_processes(self) -> None:
         """Raise WorkerFailed naming the first spawned rank that has exited."""
@@ -391,15 +404,18 @@ class WorkerClient:
         The old ranks, should they still run, are told to shut down and their frames are dropped
         from now on; the next workers to register (perhaps already, `_successor`) are taken by `start`.
         """
-        if self._identities:
+        if self._identities or self._registering:
             payload = self._channel.seal_to_worker(protocol.Shutdown())
-            for identity in self._identities:
+            for identity in (*self._identities, *self._registering):
                 try:
                     await self._sock.send_multipart([identity, payload], flags=zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass
-        self._identities, self.failed = [], None
-        self._fds.clear()
+        for identity in (*self._identities, *self._registering):  # a successor that registered stays watched
+            self._registered.pop(identity, None)
+            self._fds.pop(identity, None)
+            self._gone.discard(identity)
+        self._identities, self._registering, self.failed = [], set(), None
 
     async def kill(self) -> None:
         """Kill every spawned rank for certain (SIGKILL) and reap it: a failed worker must not hold its pool.

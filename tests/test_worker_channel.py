@@ -88,3 +88,85 @@ def test_a_frame_is_verified_before_it_is_decoded():
             channel.open_to_worker(bad)
     with pytest.raises(Unauthenticated):  # a worker's message cannot be reflected back as a control one
         channel.open_to_worker(channel.seal_from_worker(StepResult(step_id=1)))
+
+
+class _FakeRank:
+    """A DEALER that registers with the shared secret like `pagedkv worker --connect` (no model)."""
+
+    def __init__(self, ctx, address: str, secret: bytes, pid: int, rank: int = 0, world_size: int = 1):
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+        self.frame = Channel(secret).seal_from_worker(Register(PROTOCOL_VERSION, pid, rank, world_size))
+
+    async def register(self) -> None:
+        await self.sock.send(self.frame)
+
+
+async def _wait_failed(client, timeout: float = 30.0) -> str:
+    from pagedkv.scheduler.worker_client import WorkerFailed
+
+    deadline = asyncio.get_running_loop().time() + timeout
+    while asyncio.get_running_loop().time() < deadline:
+        try:
+            await client.check_alive()
+        except WorkerFailed as e:
+            return str(e)
+        await asyncio.sleep(0.05)
+    raise AssertionError("the end of the worker's connection was not noticed")
+
+
+async def test_the_end_of_an_external_workers_connection_fails_the_client_and_no_other_peers_does():
+    """A registered external worker's connection is watched (matched by fd to its Register): junk peers
+    that come and go change nothing, the worker's own disconnect fails `check_alive` without a step."""
+    from pagedkv.scheduler.worker_client import WorkerClient
+
+    secret, address = b"k" * 64, f"tcp://127.0.0.1:{_free_port()}"
+    client = WorkerClient(EngineConfig(), address, spawn=False, secret=secret)
+    ctx = zmq.asyncio.Context()
+    try:
+        worker = _FakeRank(ctx, address, secret, pid=4242)
+        await worker.register()
+        identity, msg = await client._recv_any(asyncio.get_running_loop().time() + 30, 30, "rank 0")
+        assert isinstance(msg, Register) and msg.pid == 4242
+        client._identities = [identity]  # as `start` leaves it, without a model to load
+
+        await _attack(address)
+        other = _FakeRank(ctx, address, b"not-the-secret" * 4, pid=1)  # registers with the wrong secret
+        await other.register()
+        await asyncio.sleep(0.3)
+        other.sock.close(0)
+        await asyncio.sleep(1.0)
+        await client.check_alive()  # nothing of theirs counts
+
+        worker.sock.close(0)
+        assert await _wait_failed(client) == "external worker (pid 4242) disconnected"
+    finally:
+        client.failed = client.failed or "test over"
+        await client.close()
+        ctx.term()
+
+
+async def test_a_rank_that_disconnects_while_its_group_forms_fails_the_start_at_once():
+    """-tp 2 by hand: rank 0 registers, then dies before rank 1 comes; `start` says so instead of
+    waiting out the registration timeout, and `forget_worker` leaves nothing of it to trip the next start."""
+    from pagedkv.scheduler.worker_client import WorkerClient, WorkerFailed
+
+    secret, address = b"k" * 64, f"tcp://127.0.0.1:{_free_port()}"
+    client = WorkerClient(EngineConfig(tensor_parallel_size=2), address, spawn=False, secret=secret)
+    ctx = zmq.asyncio.Context()
+    try:
+        rank0 = _FakeRank(ctx, address, secret, pid=5000, rank=0, world_size=2)
+        await rank0.register()
+        starting = asyncio.create_task(client.start(register_timeout=300))
+        await asyncio.sleep(0.5)
+        rank0.sock.close(0)
+        with pytest.raises(WorkerFailed, match=r"^external worker rank 0 \(pid 5000\) disconnected$"):
+            await asyncio.wait_for(starting, 30)
+        await client.forget_worker()
+        assert client._registering == set() and not client._gone and client.failed is None
+        await client.check_alive()
+    finally:
+        client.failed = client.failed or "test over"
+        await client.close()
+        ctx.term()

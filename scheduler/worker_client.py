@@ -40,7 +40,6 @@ import uuid
 import msgspec
 import zmq
 import zmq.asyncio
-
 from zmq.utils.monitor import parse_monitor_message
 
 from pagedkv.common import protocol

@@ -137,7 +137,7 @@ class WorkerClient:
         self._identities: list[bytes] = []  # ZeroMQ identity of each rank, in rank order
         self._registered: dict[bytes, protocol.Register] = {}  # identity -> its Register (external ranks)
         self._fds: dict[bytes, int | None] = {}  # identity -> the fd of the connection its Register came on
-        self._gone: set[bytes] = set()  # registered identities whose connection ended
+        self._gone: dict[bytes, None] = {}  # registered identities whose connection ended, in that order
         self._last_fd: int | None = None  # the connection the last delivery came on
         self._registering: set[bytes] = set()  # peers whose authenticated Register was taken by `start`
         self._successor: tuple[bytes, protocol.Register] | None = None  # a new external worker's Register
@@ -319,9 +319,10 @@ class WorkerClient:
             fd = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))["value"]
             for identity in [i for i, known in self._fds.items() if known == fd]:
                 del self._fds[identity]  # the fd may serve a new connection next
-                self._gone.add(identity)
-        group = (*self._identities, *self._registering, *self._successors())
-        if self.failed is None and (gone := next((i for i in group if i in self._gone), None)) is not None:
+                self._gone[identity] = None
+        group = {*self._identities, *self._registering, *self._successors()}
+        # the first to go is the cause: in a group, a rank whose peer died fails its step and exits too
+        if self.failed is None and (gone := next((i for i in self._gone if i in group), None)) is not None:
             reg = self._registered[gone]
             who = "external worker" if self.world_size == 1 else f"external worker rank {reg.rank}"
             self.failed = f"{who} (pid {reg.pid}) disconnected"
@@ -413,7 +414,7 @@ class WorkerClient:
         for identity in (*self._identities, *self._registering):  # a successor that registered stays watched
             self._registered.pop(identity, None)
             self._fds.pop(identity, None)
-            self._gone.discard(identity)
+            self._gone.pop(identity, None)
         self._identities, self._registering, self.failed = [], set(), None
 
     async def kill(self) -> None:

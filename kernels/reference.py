@@ -77,6 +77,8 @@ def paged_attention(
 
 # Elements of one gathered K (or V) chunk in `batched_paged_attention`: bounds its temporary memory.
 _GATHER_BUDGET = 1 << 24
+# A chunk may pad up to 2x its useful elements, or any amount below this many (small sequences batch together).
+_SMALL_CHUNK = 1 << 16
 
 
 def batched_paged_attention(
@@ -103,10 +105,10 @@ def batched_paged_attention(
     decode=False leaves the rows of decode sequences (q_len 1) untouched: `kernels.cpu_kernels`
     writes those with its fused kernel and calls this for the rest.
     Sequences are split into decode (q_len 1) and prefill/extend (q_len > 1) groups, each sorted by
-    context length and cut into chunks of at most ``_GATHER_BUDGET`` gathered K (or score) elements; a chunk
-    gathers its K/V through the block table into ``[seqs, ctx, kv_heads, head_dim]``, pads its
-    queries to ``[seqs, max_q, heads, head_dim]`` and runs one masked batched softmax(QK^T)V in fp32.
-    Padding waste is bounded by the sort: a chunk's sequences have similar lengths.
+    context length and cut into chunks (`_chunks`) of at most ``_GATHER_BUDGET`` gathered K (or
+    score) elements that pad at most 2x their useful elements; a chunk gathers its K/V through the
+    block table into ``[seqs, ctx, kv_heads, head_dim]``, pads its queries to
+    ``[seqs, max_q, heads, head_dim]`` and runs one masked batched softmax(QK^T)V in fp32.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -122,14 +124,37 @@ def batched_paged_attention(
         if group.numel() == 0:
             continue
         group = group[seq_lens[group].argsort()]
-        lens, max_q = seq_lens[group], int(q_lens[group].max())
-        per_seq = max(num_kv_heads * head_dim, num_heads * max_q) * max(1, int(lens[-1]))  # K or scores
-        step = max(1, _GATHER_BUDGET // per_seq)
-        for first in range(0, group.numel(), step):  # chunks of sequences, not one per sequence
-            seqs = group[first:first + step]
+        for first, last, max_q in _chunks(q_lens[group].tolist(), seq_lens[group].tolist(),
+                                          num_kv_heads * head_dim, num_heads):
+            seqs = group[first:last]
             _attend(q, k_cache, v_cache, block_tables[seqs], seq_lens[seqs], starts[seqs], q_lens[seqs],
                     max_q, scale, out, k_scale, v_scale)
     return out
+
+
+def _chunks(q_lens: list[int], seq_lens: list[int], kv_width: int, num_heads: int) -> list[tuple[int, int, int]]:
+    """Cut sequences (sorted by context) into chunks ``(first, last, max_q)`` for `_attend`.
+
+    A sequence of q new tokens and c context tokens needs ``max(kv_width, num_heads x q) x c``
+    elements (gathered K, or scores); a chunk pads every member to its largest q and c. A chunk
+    grows while its padded size stays within ``_GATHER_BUDGET`` and within twice its members'
+    own sizes (or under ``_SMALL_CHUNK``): one long prompt does not pad many short ones to its length.
+    """
+    def size(q: int, c: int) -> int:
+        return max(kv_width, num_heads * q) * max(1, c)
+
+    chunks, first = [], 0
+    while first < len(q_lens):
+        max_q, max_c, useful, last = q_lens[first], seq_lens[first], size(q_lens[first], seq_lens[first]), first + 1
+        while last < len(q_lens):
+            q, c = max(max_q, q_lens[last]), max(max_c, seq_lens[last])
+            padded, more = (last + 1 - first) * size(q, c), useful + size(q_lens[last], seq_lens[last])
+            if padded > _GATHER_BUDGET or (padded > 2 * more and padded > _SMALL_CHUNK):
+                break
+            max_q, max_c, useful, last = q, c, more, last + 1
+        chunks.append((first, last, max_q))
+        first = last
+    return chunks
 
 
 def _attend(q, k_cache, v_cache, tables, seq_lens, starts, q_lens, max_q, scale, out, k_scale, v_scale) -> None:

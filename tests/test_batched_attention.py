@@ -161,3 +161,17 @@ def test_fused_decode_refuses_a_block_table_pointing_outside_the_pool():
     torch.testing.assert_close(cpu_kernels.paged_attention(q, k_cache, v_cache, broken, seq_lens, qsl, scale),
                                reference.paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, scale),
                                atol=1e-5, rtol=0)
+
+
+def test_a_long_prompt_does_not_pad_the_short_ones_of_its_step():
+    # the first 2,048-token chunk of the conv replay (24 prompts, the longest 491): one chunk padded
+    # every prompt to 491 x 491 (13.6x the useful score elements); now each chunk pads at most 2x
+    lens = sorted([45, 48, 106, 11, 11, 46, 158, 47, 29, 25, 47, 47, 158, 267, 47, 50, 14, 44, 25, 163, 24, 22, 47, 491])
+    chunks = reference._chunks(lens, lens, kv_width=4 * 8, num_heads=8)
+    assert chunks == [(0, 8, 29), (8, 18, 50), (18, 22, 163), (22, 24, 491)]
+    for first, last, max_q in chunks:
+        padded = (last - first) * 8 * max_q * lens[last - 1]
+        assert padded <= max(2 * sum(8 * n * n for n in lens[first:last]), reference._SMALL_CHUNK)
+    args = make_batch(lens, lens, num_heads=8, num_kv_heads=4, head_dim=8, block_size=16, dtype=torch.float32, seed=13)
+    torch.testing.assert_close(reference.batched_paged_attention(*args), reference.paged_attention(*args),
+                               atol=1e-5, rtol=0)

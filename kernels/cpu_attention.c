@@ -1,16 +1,18 @@
-/* Fused paged decode attention for CPUs: one pass over each sequence's K/V, read in place through
- * its block table (PagedAttention, Kwon et al., SOSP 2023, section 4.1). Built and loaded by
- * kernels/cpu_kernels.py (plain C, no torch headers, so it compiles in about a second).
+/* Fused paged attention for CPUs: each new token reads its sequence's K/V in place through the
+ * block table (PagedAttention, Kwon et al., SOSP 2023, section 4.1), one pass per token. Built and
+ * loaded by kernels/cpu_kernels.py (plain C, no torch headers, so it compiles in about a second).
  *
  * Why not tensor ops: a decode step is bound by reading the KV cache. Gathering K/V into a
  * contiguous tensor, then transposing it for a batched GEMM, moves every byte three times and
- * pays per-(sequence, head) GEMM overheads; here each K and V element is read once.
+ * pays per-(sequence, head) GEMM overheads; here each K and V element is read once per new token.
+ * Prefill chunks up to max_query_len tokens run here too (no padding, no mask: each token stops
+ * at its own position); longer ones are better served by GEMMs, which reuse K/V across queries.
  *
  * Layout: q and out [num_tokens, num_heads, head_dim] float32; k_cache and v_cache
  * [num_blocks, block_size, num_kv_heads, head_dim] of the pool's element type; block_tables
  * [num_seqs, table_stride] int32; seq_lens [num_seqs] int32 (context including the new token);
- * query_start_loc [num_seqs + 1] int32. Only sequences with exactly one new token are computed;
- * the others' rows of out are left untouched. Head h reads KV head h / (num_heads / num_kv_heads).
+ * query_start_loc [num_seqs + 1] int32. Only sequences with 1 to max_query_len new tokens are
+ * computed; the others' rows of out are left untouched. Head h reads KV head h / (num_heads / num_kv_heads).
  */
 #include <math.h>
 #include <pthread.h>
@@ -43,7 +45,7 @@ static inline void prefetch_block(const char *p, int64_t block_bytes) {
     for (int64_t off = 0; off < block_bytes; off += 64) __builtin_prefetch(p + off);
 }
 
-/* One decode sequence, all heads: each slot's K (then V) row is read once, in address order
+/* One new token of a sequence, all heads: each slot's K (then V) row is read once, in address order
  * within a block, for every head at once. q, out: [num_heads, head_dim]; scores: [num_heads, len]. */
 static inline __attribute__((always_inline)) void attend(
         const float *restrict q, const void *k_cache, const void *v_cache, int kind, const float *lut,
@@ -117,7 +119,8 @@ static inline __attribute__((always_inline)) void attend(
 typedef struct {
     const float *q; const void *k_cache; const void *v_cache; int kv_kind; const float *lut;
     const int32_t *block_tables; int64_t table_stride; const int32_t *seq_lens; const int32_t *query_start_loc;
-    int num_heads, num_kv_heads, head_dim, block_size; int64_t num_blocks, max_seq_len; float scale, k_scale, v_scale;
+    int num_heads, num_kv_heads, head_dim, block_size, max_query_len; int64_t num_blocks, max_seq_len;
+    float scale, k_scale, v_scale;
     float *out; int64_t first, last; int status;
 } Work;
 
@@ -129,25 +132,29 @@ static void *run(void *arg) {
     float *row = malloc(sizeof(float) * (size_t)w->num_kv_heads * (size_t)w->head_dim);
     w->status = scores && row ? 0 : -1;
     for (int64_t s = w->first; s < w->last && w->status == 0; s++) {
-        const int32_t t_q = w->query_start_loc[s];
-        if (w->query_start_loc[s + 1] - t_q != 1) continue;  /* prefill / extend rows: not ours */
-        const int64_t len = w->seq_lens[s] < w->max_seq_len ? w->seq_lens[s] : w->max_seq_len;
-        const int64_t at = (int64_t)t_q * w->num_heads * w->head_dim;
+        const int32_t t_q = w->query_start_loc[s], q_len = w->query_start_loc[s + 1] - t_q;
+        if (q_len < 1 || q_len > w->max_query_len) continue;  /* idle, or left to the batched path */
+        const int64_t seq_len = w->seq_lens[s] < w->max_seq_len ? w->seq_lens[s] : w->max_seq_len;
         const int32_t *table = w->block_tables + s * w->table_stride;
-        for (int64_t b = 0; b < (len + w->block_size - 1) / w->block_size; b++)
+        for (int64_t b = 0; b < (seq_len + w->block_size - 1) / w->block_size; b++)
             if (table[b] < 0 || table[b] >= w->num_blocks) w->status = -2;  /* never read outside the pool */
         if (w->status != 0) break;
-        /* common head sizes get a copy with head_dim known at compile time (unrolled, vectorized) */
-#define ATTEND(D) attend(w->q + at, w->k_cache, w->v_cache, w->kv_kind, w->lut, elem_bytes,                  \
-                         table, len, w->num_kv_heads, group, D, w->block_size, \
-                         w->scale * w->k_scale, w->v_scale, scores, row, w->out + at)
-        switch (w->head_dim) {
-            case 8: ATTEND(8); break;
-            case 64: ATTEND(64); break;
-            case 128: ATTEND(128); break;
-            default: ATTEND(w->head_dim);
-        }
+        for (int32_t j = 0; j < q_len; j++) {  /* causal: new token j sees the context up to itself */
+            const int64_t len = seq_len - q_len + j + 1;
+            const int64_t at = (int64_t)(t_q + j) * w->num_heads * w->head_dim;
+            if (len < 1) continue;
+            /* common head sizes get a copy with head_dim known at compile time (unrolled, vectorized) */
+#define ATTEND(D) attend(w->q + at, w->k_cache, w->v_cache, w->kv_kind, w->lut, elem_bytes, table, len,      \
+                         w->num_kv_heads, group, D, w->block_size, w->scale * w->k_scale, w->v_scale, scores, \
+                         row, w->out + at)
+            switch (w->head_dim) {
+                case 8: ATTEND(8); break;
+                case 64: ATTEND(64); break;
+                case 128: ATTEND(128); break;
+                default: ATTEND(w->head_dim);
+            }
 #undef ATTEND
+        }
     }
     free(scores); free(row);
     return NULL;
@@ -155,22 +162,25 @@ static void *run(void *arg) {
 
 enum { MAX_THREADS = 256 };
 
-/* Decode attention for every sequence with one new token, on num_threads threads (each takes a
- * contiguous range of sequences holding about the same number of context tokens).
+/* Attention for every sequence with 1 to max_query_len new tokens, on num_threads threads (each
+ * takes a contiguous range of sequences holding about the same number of (query, key) pairs).
  * Returns 0; -1 when scratch memory could not be had; -2 when a block table names a block outside
  * [0, num_blocks) within its sequence's length (out is then incomplete). */
-int paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int kv_kind,
+int paged_attention_fused(const float *q, const void *k_cache, const void *v_cache, int kv_kind,
                            const float *lut, const int32_t *block_tables, int64_t table_stride,
                            const int32_t *seq_lens, const int32_t *query_start_loc, int64_t num_seqs,
-                           int num_heads, int num_kv_heads, int head_dim, int block_size, int64_t num_blocks,
-                           int64_t max_seq_len, float scale, float k_scale, float v_scale, float *out,
-                           int num_threads) {
+                           int num_heads, int num_kv_heads, int head_dim, int block_size, int max_query_len,
+                           int64_t num_blocks, int64_t max_seq_len, float scale, float k_scale, float v_scale,
+                           float *out, int num_threads) {
     const Work all = {q, k_cache, v_cache, kv_kind, lut, block_tables, table_stride, seq_lens, query_start_loc,
-                      num_heads, num_kv_heads, head_dim, block_size, num_blocks, max_seq_len, scale, k_scale, v_scale,
-                      out, 0, num_seqs, 0};
-    int64_t total = 0;
-    for (int64_t s = 0; s < num_seqs; s++) total += seq_lens[s];
-    /* a thread costs ~50 us to start: give each at least ~4K context tokens (tens of us of work) */
+                      num_heads, num_kv_heads, head_dim, block_size, max_query_len, num_blocks, max_seq_len,
+                      scale, k_scale, v_scale, out, 0, num_seqs, 0};
+    int64_t total = 0;  /* (query, key) pairs: the work */
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];
+        if (q_len >= 1 && q_len <= max_query_len) total += q_len * seq_lens[s];
+    }
+    /* a thread costs ~50 us to start: give each at least ~4K (query, key) pairs (tens of us of work) */
     int threads = num_threads < MAX_THREADS ? num_threads : MAX_THREADS;
     if (threads > 1 + total / 4096) threads = (int)(1 + total / 4096);
     if (threads <= 1) {
@@ -186,7 +196,11 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
         work[i] = all;
         work[i].first = s;
         const int64_t target = total * (i + 1) / threads;
-        while (s < num_seqs && (done < target || i == threads - 1)) done += seq_lens[s++];
+        while (s < num_seqs && (done < target || i == threads - 1)) {
+            const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];
+            done += q_len >= 1 && q_len <= max_query_len ? q_len * seq_lens[s] : 0;
+            s++;
+        }
         work[i].last = s;
     }
     int status = 0;

@@ -94,7 +94,7 @@ def batched_paged_attention(
     max_seq_len: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
-    decode: bool = True,
+    fused_max_query_len: int = 0,
 ) -> torch.Tensor:
     """`paged_attention` for a whole batch at once, with no Python loop over sequences.
 
@@ -102,8 +102,8 @@ def batched_paged_attention(
     max_query_len and max_seq_len are accepted for parity with the Triton backend and unused.
     fp8 caches (`kernels.fp8`): each chunk's gathered K and V are dequantized (x k_scale, x v_scale)
     as the oracle does, then attended in fp32.
-    decode=False leaves the rows of decode sequences (q_len 1) untouched: `kernels.cpu_kernels`
-    writes those with its fused kernel and calls this for the rest.
+    fused_max_query_len: rows of sequences with 1 <= q_len <= it are left untouched:
+    `kernels.cpu_kernels` writes those with its fused kernel and calls this for the rest.
     Sequences are split into decode (q_len 1) and prefill/extend (q_len > 1) groups, each sorted by
     context length and cut into chunks (`_chunks`) of at most ``_GATHER_BUDGET`` gathered K (or
     score) elements that pad at most 2x their useful elements; a chunk gathers its K/V through the
@@ -119,8 +119,8 @@ def batched_paged_attention(
     starts = query_start_loc[:-1].long()
     q_lens = query_start_loc[1:].long() - starts
     seq_lens = seq_lens.long()
-    groups = ((q_lens == 1).nonzero().squeeze(1),) if decode else ()
-    for group in groups + ((q_lens > 1).nonzero().squeeze(1),):
+    q_lens = torch.where(q_lens <= fused_max_query_len, 0, q_lens)  # rows the caller computes: idle here
+    for group in ((q_lens == 1).nonzero().squeeze(1), (q_lens > 1).nonzero().squeeze(1)):
         if group.numel() == 0:
             continue
         group = group[seq_lens[group].argsort()]

@@ -59,7 +59,7 @@ def _instrument(runner, acc: dict) -> None:
         return wrapper
 
     kernels = getattr(runner.model, "kernels", None)  # None in the d863b9d baseline: attention is "rest of forward"
-    if getattr(kernels, "fused_decode_available", lambda: False)():
+    if getattr(kernels, "fused_available", lambda: False)():
         lib = kernels._library()
         lib.paged_decode_attention = timed("attention: C decode kernel", lib.paged_decode_attention)
     ref = sys.modules["pagedkv.kernels.reference"]

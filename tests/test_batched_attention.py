@@ -1,7 +1,8 @@
 """The CPU attention backends equal the per-sequence oracle (`kernels.reference.paged_attention`).
 
 Both `reference.batched_paged_attention` (the ``torch`` backend) and `cpu_kernels.paged_attention`
-(the default ``cpu`` backend: decode rows in the fused C kernel, the rest batched) are held to it.
+(the default ``cpu`` backend: rows of up to 1,024 new tokens in the fused C kernel, longer prefill
+chunks batched) are held to it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ BACKENDS = {"torch": reference.batched_paged_attention, "cpu": cpu_kernels.paged
 @pytest.fixture(autouse=True, scope="module")
 def _fused_kernel_builds():
     """On CI the C kernel must build: a missing compiler would silently test the fallback twice."""
-    assert cpu_kernels.fused_decode_available(), "cpu_attention.c did not build (is a C compiler installed?)"
+    assert cpu_kernels.fused_available(), "cpu_attention.c did not build (is a C compiler installed?)"
 
 
 def make_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed):
@@ -82,32 +83,35 @@ def test_batched_attention_in_bf16_rounds_like_the_oracle(backend):
     (128, 8, 8, 1),  # specialized, no grouping, one token per block
     (24, 6, 3, 5),  # the generic loop: no specialization, odd block size
 ])
-def test_fused_decode_kernel_equals_the_oracle_for_every_head_layout(head_dim, num_heads, num_kv_heads, block_size):
-    q_lens = [1, 1, 1, 1, 1, 1]
+def test_fused_kernel_equals_the_oracle_for_every_head_layout(head_dim, num_heads, num_kv_heads, block_size):
+    q_lens = [1, block_size, 2, 3 * block_size, 7, 1]  # decode, a whole-block prefill, extends
     seq_lens = [1, block_size, block_size + 1, 3 * block_size, 77, 200]  # block edges, one token, long
     args = make_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, torch.float32, seed=head_dim)
-    torch.testing.assert_close(cpu_kernels.paged_attention(*args, max_query_len=1, max_seq_len=200),
+    torch.testing.assert_close(cpu_kernels.paged_attention(*args, max_query_len=3 * block_size, max_seq_len=200),
                                reference.paged_attention(*args), atol=1e-5, rtol=0)
 
 
-def test_fused_kernel_computes_decode_rows_and_leaves_prefill_rows_to_the_batched_path(monkeypatch):
-    args = make_batch([1, 5, 1, 0], [40, 12, 9, 3], num_heads=4, num_kv_heads=2, head_dim=8, block_size=4,
+def test_fused_kernel_computes_rows_up_to_its_query_length_and_leaves_longer_ones_to_the_batched_path(monkeypatch):
+    args = make_batch([1, 5, 1, 0, 3], [40, 12, 9, 3, 30], num_heads=4, num_kv_heads=2, head_dim=8, block_size=4,
                       dtype=torch.float32, seed=5)
     calls = []
     batched = reference.batched_paged_attention
 
     def spy(*a, **kw):
-        calls.append(kw.get("decode", True))
+        calls.append(kw.get("fused_max_query_len", 0))
         return batched(*a, **kw)
 
     monkeypatch.setattr(reference, "batched_paged_attention", spy)
-    torch.testing.assert_close(cpu_kernels.paged_attention(*args), reference.paged_attention(*args), atol=1e-5, rtol=0)
-    assert calls == [False]  # one batched call, for the prefill row only
-    calls.clear()
-    decode_only = make_batch([1, 1], [40, 9], num_heads=4, num_kv_heads=2, head_dim=8, block_size=4,
-                             dtype=torch.float32, seed=6)
-    cpu_kernels.paged_attention(*decode_only, max_query_len=1)
-    assert calls == []  # a decode-only step never enters the batched path
+    expected = reference.paged_attention(*args)
+    torch.testing.assert_close(cpu_kernels.paged_attention(*args), expected, atol=1e-5, rtol=0)
+    assert calls == []  # every row is at most FUSED_MAX_QUERY_LEN (1024): all in C
+    monkeypatch.setattr(cpu_kernels, "FUSED_MAX_QUERY_LEN", 4)
+    torch.testing.assert_close(cpu_kernels.paged_attention(*args), expected, atol=1e-5, rtol=0)
+    assert calls == [4]  # one batched call, for the 5-token row only
+    small = make_batch([1, 3], [40, 9], num_heads=4, num_kv_heads=2, head_dim=8, block_size=4,
+                       dtype=torch.float32, seed=6)
+    cpu_kernels.paged_attention(*small, max_query_len=3)
+    assert calls == [4]  # a step whose rows all fit never enters the batched path
 
 
 def test_without_a_c_compiler_the_cpu_backend_falls_back_to_the_batched_attention(monkeypatch, tmp_path):
@@ -115,25 +119,25 @@ def test_without_a_c_compiler_the_cpu_backend_falls_back_to_the_batched_attentio
         m.setenv("CC", str(tmp_path / "no-such-compiler"))
         m.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "cache"))  # nothing built there yet
         cpu_kernels._library.cache_clear()
-        assert not cpu_kernels.fused_decode_available()
+        assert not cpu_kernels.fused_available()
         args = make_batch([1, 1, 6], [30, 7, 20], num_heads=4, num_kv_heads=2, head_dim=8, block_size=4,
                           dtype=torch.float32, seed=7)
         torch.testing.assert_close(cpu_kernels.paged_attention(*args), reference.paged_attention(*args),
                                    atol=1e-5, rtol=0)
         assert list((tmp_path / "cache").iterdir()) == []  # no half-written library left behind
     cpu_kernels._library.cache_clear()
-    assert cpu_kernels.fused_decode_available()  # the real compiler builds (or finds) it again
+    assert cpu_kernels.fused_available()  # the real compiler builds (or finds) it again
 
 
 def test_float16_pools_take_the_batched_path():
-    assert not cpu_kernels.fused_decode_available(torch.float16)
+    assert not cpu_kernels.fused_available(torch.float16)
     args = make_batch([1, 1, 4], [30, 7, 20], num_heads=4, num_kv_heads=2, head_dim=8, block_size=4,
                       dtype=torch.float16, seed=8)
     torch.testing.assert_close(cpu_kernels.paged_attention(*args).float(), reference.paged_attention(*args).float(),
                                atol=2e-3, rtol=0)
 
 
-def test_fused_decode_splits_sequences_over_threads_without_changing_the_result():
+def test_fused_kernel_splits_sequences_over_threads_without_changing_the_result():
     # 3 threads get ~4K context tokens each; a prefill row and an idle row sit inside the ranges
     seq_lens = [3000, 700, 2500, 40, 4100, 1, 1800, 900, 2222]
     q_lens = [1, 1, 7, 1, 1, 0, 1, 1, 1]
@@ -148,7 +152,7 @@ def test_fused_decode_splits_sequences_over_threads_without_changing_the_result(
     torch.testing.assert_close(got, reference.paged_attention(*args), atol=1e-5, rtol=0)
 
 
-def test_fused_decode_refuses_a_block_table_pointing_outside_the_pool():
+def test_fused_kernel_refuses_a_block_table_pointing_outside_the_pool():
     q, k_cache, v_cache, tables, seq_lens, qsl, scale = make_batch(
         [1, 1], [20, 9], num_heads=4, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32, seed=12)
     for bad in (-1, k_cache.shape[0]):  # unused padding (-1) or one past the end, inside the length

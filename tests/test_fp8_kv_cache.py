@@ -62,7 +62,7 @@ def test_cpu_attention_on_fp8_equals_dequantize_then_attend(dtype, q_lens, seq_l
     got = reference.paged_attention(*args, k_scale=ks, v_scale=vs)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
     from pagedkv.kernels import cpu_kernels, select_backend  # the CPU backends: fused decode, and batched
-    assert select_backend(None, CPU) is cpu_kernels and cpu_kernels.fused_decode_available(dtype)
+    assert select_backend(None, CPU) is cpu_kernels and cpu_kernels.fused_available(dtype)
     for attend in (cpu_kernels.paged_attention, reference.batched_paged_attention):
         torch.testing.assert_close(attend(*args, k_scale=ks, v_scale=vs), want,
                                    atol=1e-5, rtol=0)  # they sum in another order

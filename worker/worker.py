@@ -115,11 +115,12 @@ def load(msg: LoadModel, rank: int = 0, world_size: int = 1, init_method: str | 
     num_blocks = max_num_gpu_blocks(runner)
     log.info("KV budget: %d blocks of %d tokens; measuring swap bandwidth", num_blocks, cfg.block_size)
     kernels = runner.model.kernels
-    if kernels is cpu_kernels:  # builds the C decode kernel now (about a second, once per machine)
-        if kernels.fused_decode_available(runner.kv_dtype):
-            log.info("attention: cpu backend, decode fused in C (%s KV cache)", str(runner.kv_dtype).removeprefix("torch."))
+    if kernels is cpu_kernels:  # builds the C kernel now (about a second, once per machine)
+        if kernels.fused_available(runner.kv_dtype):
+            log.info("attention: cpu backend, fused in C up to %d new tokens a sequence (%s KV cache)",
+                     kernels.FUSED_MAX_QUERY_LEN, str(runner.kv_dtype).removeprefix("torch."))
         else:
-            log.warning("attention: decode runs on the batched PyTorch path (slower): no C compiler (set CC) "
+            log.warning("attention: runs on the batched PyTorch path (slower): no C compiler (set CC) "
                         "or a %s KV cache the fused kernel does not read", str(runner.kv_dtype).removeprefix("torch."))
     else:
         log.info("attention: %s backend", kernels.__name__.rsplit(".", 1)[-1].removesuffix("_kernels"))

@@ -5,6 +5,7 @@ Tests that need stories260K fail (never skip) when it is missing, as the CI cont
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -59,11 +60,13 @@ def _restore_logging():
 
 # ---- shared helpers for engine tests ------------------------------------------------------------
 
-@pytest.fixture
-async def start(stories260k):
-    """Start engines on stories260K (keyword args: EngineConfig fields); every one is shut down after.
+@contextlib.asynccontextmanager
+async def engine_starter(model: Path):
+    """An async context giving ``start(**kw)``: an engine on ``model`` (keyword args: EngineConfig fields);
+    every engine it started is shut down on exit.
 
-    swap_space defaults to 0.01 GiB (524 host blocks), enough for any test and cheap to allocate.
+    swap_space defaults to 0.01 GiB (524 host blocks) and num_gpu_blocks to 256 (unless
+    cpu_kv_cache_space sizes the pool): enough for any test and cheap to allocate and to snapshot.
     """
     from pagedkv.common.config import EngineConfig
     from pagedkv.scheduler.engine import Engine
@@ -72,13 +75,24 @@ async def start(stories260k):
 
     async def _start(**kw):
         kw.setdefault("swap_space", 0.01)
-        engine = await Engine.start(EngineConfig(model=str(stories260k), **kw))
+        if "cpu_kv_cache_space" not in kw:
+            kw.setdefault("num_gpu_blocks", 256)
+        engine = await Engine.start(EngineConfig(model=str(model), **kw))
         engines.append(engine)
         return engine
 
-    yield _start
-    for engine in engines:
-        await engine.shutdown()
+    try:
+        yield _start
+    finally:
+        for engine in engines:
+            await engine.shutdown()
+
+
+@pytest.fixture
+async def start(stories260k):
+    """Start engines on stories260K (see `engine_starter`); every one is shut down after the test."""
+    async with engine_starter(stories260k) as _start:
+        yield _start
 
 
 async def collect(stream):

@@ -1,4 +1,8 @@
-"""The engine end to end (control plane + worker process) on the real stories260K model."""
+"""The engine end to end (control plane + worker process) on the real stories260K model.
+
+Tests that need only the default config and leave the engine as they found it share one (``engine``,
+module scope: each start spawns a torch process); the others start their own (``start``).
+"""
 
 import asyncio
 import os
@@ -7,17 +11,32 @@ import subprocess
 import sys
 
 import pytest
+import pytest_asyncio
 
 from pagedkv.common.sampling_params import SamplingParams
 from conftest import (GOLDEN_COMPLETION, GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS, assert_all_blocks_free,
-                      collect, metric, record_plans)
+                      collect, engine_starter, metric, record_plans)
 
+pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 GREEDY = SamplingParams(temperature=0, max_tokens=60)
 
 
-async def test_greedy_completion_equals_the_golden(start):
-    engine = await start()
+@pytest_asyncio.fixture(loop_scope="module")
+async def start(stories260k):
+    """conftest's ``start``, in this module's event loop (where the shared engine runs)."""
+    async with engine_starter(stories260k) as _start:
+        yield _start
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(stories260k):
+    """One engine of the default config, shared by the tests that need nothing else."""
+    async with engine_starter(stories260k) as _start:
+        yield await _start()
+
+
+async def test_greedy_completion_equals_the_golden(engine):
     tokens, text, last = await collect(engine.add_request(GOLDEN_PROMPT_IDS, GREEDY))
     assert tokens == GOLDEN_OUTPUT_IDS
     assert text == GOLDEN_COMPLETION
@@ -42,9 +61,9 @@ async def test_sixteen_requests_on_a_tiny_pool_are_preempted_and_still_golden(st
     assert metric(engine, "pagedkv:generation_tokens_total") >= 16 * 60
 
 
-async def test_seeded_sampling_is_the_same_alone_batched_and_preempted(start):
+async def test_seeded_sampling_is_the_same_alone_batched_and_preempted(engine, start):
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=40)
-    alone_engine = await start()
+    alone_engine = engine
     alone, _, _ = await collect(alone_engine.add_request(GOLDEN_PROMPT_IDS, params))
     again, _, _ = await collect(alone_engine.add_request(GOLDEN_PROMPT_IDS, params))
     assert alone == again
@@ -59,8 +78,7 @@ async def test_seeded_sampling_is_the_same_alone_batched_and_preempted(start):
     assert_all_blocks_free(tight)
 
 
-async def test_stop_string_ends_the_text_before_it(start):
-    engine = await start()
+async def test_stop_string_ends_the_text_before_it(engine):
     params = SamplingParams(temperature=0, max_tokens=60, stop=["girl"])
     _, text, last = await collect(engine.add_request(GOLDEN_PROMPT_IDS, params))
     assert text == ", there was a little "
@@ -68,8 +86,7 @@ async def test_stop_string_ends_the_text_before_it(start):
     assert_all_blocks_free(engine)
 
 
-async def test_stop_token_id_ends_the_request_without_its_text(start):
-    engine = await start()
+async def test_stop_token_id_ends_the_request_without_its_text(engine):
     params = SamplingParams(temperature=0, max_tokens=60, stop_token_ids=[426])  # 426 is "."
     tokens, text, last = await collect(engine.add_request(GOLDEN_PROMPT_IDS, params))
     assert tokens == GOLDEN_OUTPUT_IDS[:11] and tokens[-1] == 426
@@ -77,8 +94,8 @@ async def test_stop_token_id_ends_the_request_without_its_text(start):
     assert last.finish_reason == "stop"
 
 
-async def test_closing_the_stream_early_aborts_and_frees_every_block(start):
-    engine = await start()
+async def test_closing_the_stream_early_aborts_and_frees_every_block(engine):
+    aborted = metric(engine, "pagedkv:request_success_total", finished_reason="abort")
     stream = engine.add_request(GOLDEN_PROMPT_IDS, SamplingParams(temperature=0, max_tokens=200))
     async for out in stream:
         if out.num_output_tokens == 5:
@@ -89,7 +106,7 @@ async def test_closing_the_stream_early_aborts_and_frees_every_block(start):
             break
         await asyncio.sleep(0.01)
     assert_all_blocks_free(engine)
-    assert metric(engine, "pagedkv:request_success_total", finished_reason="abort") == 1
+    assert metric(engine, "pagedkv:request_success_total", finished_reason="abort") == aborted + 1
 
 
 async def test_requests_that_can_never_fit_are_rejected_at_once(start):
@@ -169,7 +186,7 @@ async def test_a_stalled_worker_is_detected_by_the_deadline(start):
     assert process.poll() == -signal.SIGKILL  # killed for certain, not left holding its pool
 
 
-def test_the_worker_is_its_own_process_and_the_control_plane_never_loads_torch(stories260k):
+async def test_the_worker_is_its_own_process_and_the_control_plane_never_loads_torch(stories260k):
     code = f"""
 import asyncio, os, sys
 from pagedkv.common.config import EngineConfig
@@ -182,6 +199,7 @@ async def main():
     await e.shutdown()
 asyncio.run(main())
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", code], capture_output=True, text=True,
+                                  timeout=120)
     result = [line for line in out.stdout.splitlines() if line.startswith("RESULT")]
     assert result == ["RESULT 3 True False"], out.stderr[-2000:]

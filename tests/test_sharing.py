@@ -1,11 +1,20 @@
-"""Block sharing on the real model: prefix caching, parallel sampling, beam search, copy-on-write."""
+"""Block sharing on the real model: prefix caching, parallel sampling, beam search, copy-on-write.
+
+Tests whose checks hold whatever the prefix cache already holds share one default engine (``engine``,
+module scope: each start spawns a torch process); those that count cache hits from an empty cache, or
+need another config, start their own (``start``).
+"""
 
 import asyncio
 
 import pytest
+import pytest_asyncio
 
 from pagedkv.common.sampling_params import SamplingParams
-from conftest import GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS, assert_all_blocks_free, metric, record_plans
+from conftest import (GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS, assert_all_blocks_free, engine_starter, metric,
+                      record_plans)
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 # A prompt of 34 tokens: two full 16-token blocks and a partly filled third.
 LONG_PROMPT = "Once upon a time there was a little girl named Lily. She loved to play outside in the sun with her dog."
@@ -25,8 +34,23 @@ async def choices(engine, prompt_ids, params, on_output=None):
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 
 
-async def test_greedy_outputs_are_identical_with_prefix_caching_on_and_off(start):
-    on, off = await start(), await start(enable_prefix_caching=False)
+@pytest_asyncio.fixture(loop_scope="module")
+async def start(stories260k):
+    """conftest's ``start``, in this module's event loop (where the shared engine runs)."""
+    async with engine_starter(stories260k) as _start:
+        yield _start
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(stories260k):
+    """One engine of the default config (prefix caching on), shared."""
+    async with engine_starter(stories260k) as _start:
+        yield await _start()
+
+
+async def test_greedy_outputs_are_identical_with_prefix_caching_on_and_off(engine, start):
+    on, off = engine, await start(enable_prefix_caching=False)
+    hits = metric(on, "pagedkv:prefix_cache_hits_total")
     tok = on.tokenizer
     prompts = [LONG_PROMPT, LONG_PROMPT, LONG_PROMPT + " One day", LONG_PROMPT[:60], "Once upon a time"]
     for prompt in prompts:  # repeated and overlapping prompts, one after another
@@ -34,7 +58,7 @@ async def test_greedy_outputs_are_identical_with_prefix_caching_on_and_off(start
         with_cache, _ = await choices(on, ids, GREEDY)
         without, _ = await choices(off, ids, GREEDY)
         assert with_cache == without
-    assert metric(on, "pagedkv:prefix_cache_hits_total") > 0 and metric(off, "pagedkv:prefix_cache_hits_total") == 0
+    assert metric(on, "pagedkv:prefix_cache_hits_total") > hits and metric(off, "pagedkv:prefix_cache_hits_total") == 0
     assert_all_blocks_free(on)
 
 
@@ -64,8 +88,7 @@ async def test_freed_prompt_blocks_stay_cached_and_are_reported_apart_from_usage
         "pagedkv:num_cached_free_blocks", {"model_name": "stories260K"}) == 3
 
 
-async def test_different_cache_salts_share_no_block_and_equal_salts_do(start):
-    engine = await start()
+async def test_different_cache_salts_share_no_block_and_equal_salts_do(engine):
     ids = engine.tokenizer.encode(LONG_PROMPT)
     outs = []
     for salt in ("tenant-a", "tenant-b", "tenant-a"):
@@ -124,19 +147,25 @@ async def test_beam_search_frees_dropped_beams_and_every_block_at_the_end(start)
     assert_all_blocks_free(engine)
 
 
-async def test_greedy_beam_width_1_equals_greedy_decoding(start):
-    engine = await start()
+async def test_greedy_beam_width_1_equals_greedy_decoding(engine):
     out, _ = await choices(engine, GOLDEN_PROMPT_IDS, SamplingParams(n=1, use_beam_search=True, max_tokens=60))
     assert out[0] == GOLDEN_OUTPUT_IDS
 
 
-@pytest.mark.parametrize("prompt", ["Once upon a time", "The little dog", "Tom and Sue went to the park"])
-async def test_best_beam_equals_transformers_beam_search(start, stories260k, prompt):
+@pytest.fixture(scope="module")
+def hf_model(stories260k):
+    """stories260K in transformers (float32), loaded once."""
     transformers = pytest.importorskip("transformers", reason="transformers is a dev dependency")
     import torch
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(stories260k), dtype=torch.float32)
-    engine = await start()
+    return transformers.AutoModelForCausalLM.from_pretrained(str(stories260k), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("prompt", ["Once upon a time", "The little dog", "Tom and Sue went to the park"])
+async def test_best_beam_equals_transformers_beam_search(engine, hf_model, prompt):
+    import torch
+
+    model = hf_model
     ids = engine.tokenizer.encode(prompt)
     for width, length_penalty in ((2, 1.0), (4, 0.5)):
         expected = model.generate(torch.tensor([ids]), num_beams=width, do_sample=False, max_new_tokens=40,

@@ -11,7 +11,7 @@ import logging
 
 from pagedkv.common.config import add_rank_arguments, check_rank_arguments
 from pagedkv.common.protocol import SECRET_ENV, load_secret
-from pagedkv.worker.worker import run
+from pagedkv.worker.worker import exit_now, run
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s worker rank {args.rank} %(levelname)s %(message)s")
     run(args.connect, secret, args.rank, args.world_size, args.dist_init_method)
+    exit_now(0)
 
 
 if __name__ == "__main__":

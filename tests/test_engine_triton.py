@@ -21,19 +21,23 @@ if importlib.util.find_spec("triton") is None:
 
 
 async def test_triton_backend_engine_reproduces_the_stories260k_golden(stories260k, monkeypatch):
+    """The golden's first 28 tokens: 33 in all, three 16-token blocks (two block boundaries crossed);
+    every interpreted step costs seconds, so the other 32 would add nothing but time."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    engine = await Engine.start(EngineConfig(model=str(stories260k), device="cpu", attention_backend="triton"))
+    engine = await Engine.start(EngineConfig(model=str(stories260k), device="cpu", attention_backend="triton",
+                                             num_gpu_blocks=32, swap_space=0.01))
     try:
         tokens, text = [], ""
         async for out in engine.add_request(GOLDEN_PROMPT_IDS,
-                                            SamplingParams(temperature=0, max_tokens=60)):
+                                            SamplingParams(temperature=0, max_tokens=28)):
             assert out.error is None
             tokens += out.token_ids
             text += out.text
     finally:
         await engine.shutdown()
-    assert tokens == GOLDEN_OUTPUT_IDS
-    assert text == GOLDEN_COMPLETION
+    assert tokens == GOLDEN_OUTPUT_IDS[:28]
+    assert text == ", there was a little girl named Lily. She loved to play outside in the park. One"
+    assert GOLDEN_COMPLETION.startswith(text)
 
 
 async def test_attention_backend_triton_really_runs_triton(stories260k, monkeypatch):

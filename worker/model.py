@@ -49,7 +49,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     original_max_position_embeddings.
     """
     d = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    # explicitly on CPU: under load_model's meta-device context, meta arithmetic imports torch._dynamo (~3 s)
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d))
     scaling = config.rope_scaling
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind == "default":
@@ -171,7 +172,10 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, kernels: ModuleType, tp: TensorParallel):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)  # replicated
+        # replicated; built around an uninitialised weight: the loader fills it, and initialising it on
+        # the meta device (load_model) would import torch._dynamo, ~3 s of every worker start
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size, dtype=dtype))
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, kernels, tp)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)

@@ -71,5 +71,5 @@ def _logger_factory(*args) -> _NamedPrintLogger:
     return _NamedPrintLogger(sys.stderr, args[0] if args else "")
 
 
-if not structlog.is_configured():  # before configure_logging: still stderr, never stdout
-    structlog.configure(logger_factory=_logger_factory)
+if not structlog.is_configured():  # before configure_logging (e.g. the Python LLM API): stderr, info and up
+    structlog.configure(logger_factory=_logger_factory, wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))

@@ -8,7 +8,7 @@ on `reference.batched_paged_attention`'s gather + batched GEMMs, which reuse K/V
 (`ops/bench_cpu_attention.py`: one 2,048-token prompt at head_dim 128 is 0.85x in C, 512 tokens 2.2x).
 
 The C file is compiled on first use with the system C compiler (``$CC``, else ``cc``) into
-``$PAGEDKV_CACHE_DIR`` (default ``~/.cache/pagedkv``), keyed by a hash of the source and flags,
+``$PAGEDKV_CACHE_DIR`` (default ``~/.cache/pagedkv``), keyed by a hash of the source, flags and CPU,
 and loaded with ctypes: about a second, once per machine. Without a compiler, or for a pool whose
 element type the kernel does not read (float16), or off the CPU, every row takes the batched
 PyTorch path instead: same results, slower; `fused_available` says which, and the worker
@@ -43,7 +43,9 @@ _SOURCE = Path(__file__).with_name("cpu_attention.c")
 _FLAGS = ["-O3", "-ffast-math", "-march=native", "-fPIC", "-shared", "-std=c11", "-pthread"]
 # Sequences with up to this many new tokens run in C; longer prefill chunks in batched GEMMs.
 FUSED_MAX_QUERY_LEN = 1024
-_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 2}
+# the kernel's element kinds (cpu_attention.c's KV_F32, KV_BF16, KV_LUT8): 8-bit pools decode through a table
+_F32, _BF16, _LUT8 = 0, 1, 2
+_KINDS = {torch.float32: _F32, torch.bfloat16: _BF16, torch.float8_e4m3fn: _LUT8, torch.float8_e5m2: _LUT8}
 
 
 @cache
@@ -119,8 +121,8 @@ def paged_attention(
     fp8 pool run `cpu_attention.c`; longer prefill chunks, and every row where `fused_available`
     is False, run `reference.batched_paged_attention`. max_query_len <= ``FUSED_MAX_QUERY_LEN``
     (e.g. a decode-only step) skips the batched pass; max_query_len and max_seq_len, when given,
-    must bound the batch's (else they are computed here). The fused rows are split over ``torch.get_num_threads()`` threads
-    (by (query, key) pairs, at least about 4K of them per thread). Raises MemoryError when the
+    must bound the batch's (else they are computed here). The fused rows are split over
+    ``torch.get_num_threads()`` threads (by (query, key) pairs, at least about 4K of them per thread). Raises MemoryError when the
     kernel cannot allocate its scratch (``num_heads x max_seq_len`` floats per thread), IndexError
     when a fused row's block table holds a block id outside ``[0, num_blocks)`` within its length
     (nothing is read outside the pool).
@@ -132,7 +134,7 @@ def paged_attention(
     if q.device.type != "cpu" or not k_cache.is_contiguous() or not fused_available(k_cache.dtype):
         return reference.batched_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                                  scale, out, max_query_len, max_seq_len, k_scale, v_scale)
-    num_tokens, num_heads, head_dim = q.shape
+    _, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     q32 = q.float().contiguous()
     out32 = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty_like(q32)
@@ -140,16 +142,17 @@ def paged_attention(
     lens = seq_lens.to(torch.int32).contiguous()
     starts = query_start_loc.to(torch.int32).contiguous()
     max_len = int(max_seq_len) if max_seq_len is not None else int(lens.max())
-    lut = _lut(k_cache.dtype) if _KINDS[k_cache.dtype] == 2 else None
+    kind = _KINDS[k_cache.dtype]
+    lut = _lut(k_cache.dtype) if kind == _LUT8 else None
     rc = _library().paged_attention_fused(
-        q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _KINDS[k_cache.dtype],
+        q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kind,
         None if lut is None else lut.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
         starts.data_ptr(), lens.shape[0], num_heads, num_kv_heads, head_dim, block_size, FUSED_MAX_QUERY_LEN,
         k_cache.shape[0], max_len, scale, k_scale, v_scale, out32.data_ptr(), torch.get_num_threads())
     if rc == -2:
         raise IndexError(f"a block table names a block outside the pool's {k_cache.shape[0]} within its sequence")
     if rc != 0:
-        raise MemoryError(f"paged decode attention: no memory for {num_heads} x {max_len} scores")
+        raise MemoryError(f"fused paged attention: no memory for {num_heads} x {max_len} scores")
     if max_query_len is None:
         max_query_len = int((starts[1:] - starts[:-1]).max())
     if max_query_len > FUSED_MAX_QUERY_LEN:  # longer prefill rows

@@ -173,8 +173,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=_int_in(0, 2**63 - 1), default=d.seed,
                    help="seed of dummy weights and of requests without a seed")
     g.add_argument("--attention-backend", choices=["cpu", "torch", "triton"], default=None,
-                   help="paged-attention implementation; default: triton on CUDA, cpu (decode fused in C, "
-                        "prefill batched in PyTorch) elsewhere; torch: batched PyTorch only")
+                   help="paged-attention implementation; default: triton on CUDA, cpu (fused in C up to 1,024 new "
+                        "tokens a sequence, longer prefill batched in PyTorch) elsewhere; torch: batched PyTorch only")
     g.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run decode steps eagerly instead of replaying captured CUDA graphs")
     g.add_argument("--tensor-parallel-size", "-tp", type=_int_in(1), default=d.tensor_parallel_size, metavar="N",

@@ -226,14 +226,19 @@ async def start_group(client: WorkerClient, hellos: dict[int, protocol.WorkerHel
         return e, ranks
 
 
+def fake_group_client(tmp_path, world_size: int) -> WorkerClient:
+    """A control plane for ``world_size`` ranks that it does not spawn (FakeRank plays them)."""
+    return WorkerClient(EngineConfig(tensor_parallel_size=world_size, worker_timeout=10), f"ipc://{tmp_path}/w.sock",
+                        spawn=False, secret=SECRET)
+
+
 def hello(rank: int, blocks: int, bandwidth: float | None, dtype: str = "float32") -> protocol.WorkerHello:
     return protocol.WorkerHello(rank=rank, device=f"cuda:{rank}", dtype=dtype, kv_bytes_per_block=10240,
                                 max_num_gpu_blocks=blocks, swap_bandwidth=bandwidth)
 
 
 async def test_the_group_pool_is_the_smallest_ranks_and_each_plan_reaches_both_ranks(tmp_path):
-    client = WorkerClient(EngineConfig(tensor_parallel_size=2, worker_timeout=10), f"ipc://{tmp_path}/w.sock",
-                          spawn=False, secret=SECRET)
+    client = fake_group_client(tmp_path, 2)
     try:
         got, ranks = await start_group(client, {1: hello(1, 700, 2e9), 0: hello(0, 900, 5e9)}, [1, 0])
         assert (got.max_num_gpu_blocks, got.swap_bandwidth) == (700, 2e9)  # every rank must hold every block
@@ -260,8 +265,7 @@ async def test_the_group_pool_is_the_smallest_ranks_and_each_plan_reaches_both_r
 
 
 async def test_ranks_that_disagree_on_dtype_fail_the_start(tmp_path):
-    client = WorkerClient(EngineConfig(tensor_parallel_size=2, worker_timeout=10), f"ipc://{tmp_path}/w.sock",
-                          spawn=False, secret=SECRET)
+    client = fake_group_client(tmp_path, 2)
     try:
         got, _ = await start_group(client, {0: hello(0, 900, None), 1: hello(1, 900, None, dtype="bfloat16")}, [0, 1])
         assert isinstance(got, WorkerFailed)
@@ -273,8 +277,7 @@ async def test_ranks_that_disagree_on_dtype_fail_the_start(tmp_path):
 
 @pytest.mark.parametrize("second", [(0, 2), (1, 4), (2, 2)])  # rank 0 again, another world size, no such rank
 async def test_a_rank_that_does_not_complete_0_to_n_minus_1_once_each_is_refused(tmp_path, second):
-    client = WorkerClient(EngineConfig(tensor_parallel_size=2, worker_timeout=10), f"ipc://{tmp_path}/w.sock",
-                          spawn=False, secret=SECRET)
+    client = fake_group_client(tmp_path, 2)
     ctx = zmq.asyncio.Context.instance()
     try:
         started = asyncio.create_task(client.start(register_timeout=10))
@@ -289,8 +292,7 @@ async def test_a_rank_that_does_not_complete_0_to_n_minus_1_once_each_is_refused
 
 
 async def test_a_rank_that_never_registers_is_named_at_the_deadline(tmp_path):
-    client = WorkerClient(EngineConfig(tensor_parallel_size=3, worker_timeout=10), f"ipc://{tmp_path}/w.sock",
-                          spawn=False, secret=SECRET)
+    client = fake_group_client(tmp_path, 3)
     try:
         rank1 = FakeRank(zmq.asyncio.Context.instance(), client.address, 1, 3)
         await rank1.register()

@@ -175,6 +175,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", choices=["cpu", "torch", "triton"], default=None,
                    help="paged-attention implementation; default: triton on CUDA, cpu (fused in C up to 1,024 new "
                         "tokens a sequence, longer prefill batched in PyTorch) elsewhere; torch: batched PyTorch only")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
+                   help="schedule and send step N + 1 while the worker computes step N, and apply step N's "
+                        "tokens (detokenize, stream) while it computes N + 1; a step that would preempt, or "
+                        "beam search's next token, waits for the step in flight")
     g.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run decode steps eagerly instead of replaying captured CUDA graphs")
     g.add_argument("--tensor-parallel-size", "-tp", type=_int_in(1), default=d.tensor_parallel_size, metavar="N",
@@ -256,6 +260,7 @@ def _engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         max_choices=args.max_choices, max_stop=args.max_stop, max_logprobs=args.max_logprobs,
         worker_timeout=args.worker_timeout, max_worker_restarts=args.max_worker_restarts,
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         enable_prefix_caching=args.enable_prefix_caching, prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         preemption_mode=args.preemption_mode, scheduling_policy=args.scheduling_policy,
         otlp_traces_endpoint=args.otlp_traces_endpoint, tensor_parallel_size=args.tensor_parallel_size,

@@ -283,34 +283,45 @@ class Engine:
     # ---- the loop -------------------------------------------------------------------------
 
     async def _loop(self) -> None:
+        """Schedule, send, apply; with ``async_scheduling``, step N + 1 is scheduled and sent while the
+        worker computes step N, and step N's result (tokens, detokenization, streaming) is applied
+        while the worker computes N + 1 (vLLM V1's async scheduling). `Scheduler.schedule` says what
+        a step scheduled ahead may do; when it cannot run without a preemption, or a suspect is on
+        probation, the next step waits for the one in flight.
+        """
+        sent: deque[ScheduledStep] = deque()  # sent, results not applied yet, oldest first (at most 2)
         try:
             while True:
                 self._apply_aborts()
                 self._release_from_quarantine()
-                if not (self.scheduler.waiting or self.scheduler.running or self.scheduler.swapped):
+                ahead = bool(sent)
+                if not ahead or (self.config.async_scheduling and self._probation is None):
+                    if (step := self._schedule(ahead)) is not None:
+                        try:
+                            await self.client.submit(step.plan)
+                        except (OverflowError, UnicodeEncodeError, ValueError, TypeError) as e:  # the plan did not encode
+                            await self._step_failed(step, f"step plan could not be encoded: {e!r}", sent)
+                            continue
+                        sent.append(step)
+                        if not ahead and self.config.async_scheduling:
+                            continue  # schedule the next step while this one computes
+                if not sent:
                     await self._idle()
                     continue
-                step = self.scheduler.schedule()
-                self._record_preemptions(step)
-                if step.is_empty:  # nothing can run until an arrival, an abort or a finish changes that
-                    await self._idle()
-                    continue
+                step = sent.popleft()
                 try:
-                    result = await self.client.step(step.plan)
+                    result = await self.client.result(step.plan.step_id)
                 except WorkerFailed as e:
+                    sent.clear()
                     await self._recover(str(e))
                     continue
-                except (OverflowError, UnicodeEncodeError, ValueError, TypeError) as e:  # the plan did not encode
-                    await self._step_failed(step, f"step plan could not be encoded: {e!r}")
-                    continue
                 if result.error is not None:
-                    await self._step_failed(step, f"worker error: {result.error}")
+                    await self._step_failed(step, f"worker error: {result.error}", sent)
                     continue
                 if self._probation is not None and any(self.output.owner.get(rid) is self._probation
                                                        for rid in step.num_scheduled_tokens):
                     self._probation = None  # it stepped without failing: cleared
                 self.scheduler.policy.prefill.observe(step.plan, result.forward_seconds)
-                self.scheduler.advance(step)
                 for hook in self.step_hooks:
                     hook(step)
                 self._apply_result(result)
@@ -321,6 +332,20 @@ class Engine:
         except Exception as e:  # a bug in the control plane: fail every request, and exit so a supervisor restarts us
             log.exception("engine loop crashed")
             self._fail_all(f"engine loop crashed: {e!r}")
+
+    def _schedule(self, ahead: bool) -> ScheduledStep | None:
+        """The next step to send, its tokens counted as computed (`Scheduler.advance`); None when
+        there is nothing to send, or nothing that may be sent ahead of the step in flight."""
+        if not (self.scheduler.waiting or self.scheduler.running or self.scheduler.swapped):
+            return None
+        step = self.scheduler.schedule(ahead=ahead)
+        if step is None:
+            return None
+        self._record_preemptions(step)
+        if step.is_empty:  # nothing can run until an arrival, an abort, a finish or a result changes that
+            return None
+        self.scheduler.advance(step)
+        return step
 
     def _log_step(self, step: ScheduledStep, result: StepResult) -> None:
         """One debug line per step: what ran, what moved, what is left queued (``--log-level debug``)."""
@@ -360,8 +385,11 @@ class Engine:
 
     # ---- faults: a failed step fails its cause; a failed worker is replaced -----------------
 
-    async def _step_failed(self, step: ScheduledStep, error: str) -> None:
+    async def _step_failed(self, step: ScheduledStep, error: str, sent: deque[ScheduledStep]) -> None:
         """A step failed (the worker raised, or the plan did not encode). Fail only its cause.
+
+        ``sent``: the steps sent and not applied (the one scheduled ahead); their results are
+        awaited and dropped first, so the worker is idle when it is replaced.
 
         The request on probation (a suspect running its first step since quarantine), or the only
         request of the step, is the cause: it ends with ``error``. Otherwise every request of the
@@ -369,6 +397,11 @@ class Engine:
         it is cleared. Either way the worker's state is no longer trusted: it is restarted and every
         live request recomputes (`_recover`).
         """
+        while sent:
+            try:
+                await self.client.result(sent.popleft().plan.step_id)
+            except WorkerFailed:
+                sent.clear()  # replaced below all the same
         streams = {self.output.owner[rid] for rid in step.num_scheduled_tokens if rid in self.output.owner}
         log.error("step failed", step_id=step.plan.step_id, error=error, request_ids=sorted(s.request_id for s in streams))
         cause = self._probation if self._probation in streams else (next(iter(streams)) if len(streams) == 1 else None)

@@ -138,10 +138,19 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------------
 
-    def schedule(self) -> ScheduledStep:
-        """Decide the next step: running groups first, then swap-ins, then admissions."""
+    def schedule(self, ahead: bool = False) -> ScheduledStep | None:
+        """Decide the next step: running groups first, then swap-ins, then admissions.
+
+        ahead: the previous step is still being computed (async scheduling, as vLLM V1's): a
+        request whose last step samples a token is given one more token, the one being sampled
+        (the worker keeps its own sampled tokens and computes steps in order), unless that token
+        is its last by ``max_tokens``. An ahead step never preempts: when a running group's blocks
+        do not fit, it returns None with nothing changed, and the caller schedules again once the
+        step in flight has been applied (its finished requests' blocks freed).
+        """
         step = _Step(self.max_num_batched_tokens)
-        self._schedule_running(step)
+        if not self._schedule_running(step, ahead):
+            return None
         if not step.preempted:
             self._schedule_swapped(step)
         if not step.preempted and not self.swapped:
@@ -154,11 +163,12 @@ class Scheduler:
         preemptions, self._preemptions = self._preemptions, []
         return ScheduledStep(plan, step.num_scheduled, step.preempted, preemptions, step.resumptions)
 
-    def _schedule_running(self, step: _Step) -> None:
+    def _schedule_running(self, step: _Step, ahead: bool = False) -> bool:
         """Phase 1: every running group gets its tokens, preempting victims while blocks are short.
 
         Blocks are counted first and allocated after, so a preempted group never leaves
-        half-scheduled members behind.
+        half-scheduled members behind. Ahead of a step in flight, returns False (nothing changed)
+        instead of preempting.
         """
         i = 0
         running = self.running
@@ -166,8 +176,7 @@ class Scheduler:
             req = running[i]
             if len(req.group) == 1:  # the common case, kept cheap: one sequence
                 group = [req]
-                end = req.fork_point if req.pending_forks else req.num_tokens
-                n = min(end - req.num_computed_tokens, step.budget)
+                n = min(self._end(req, ahead) - req.num_computed_tokens, step.budget)
                 steps = [(req, n if n > 0 else 0)]
                 step.budget -= steps[0][1]
             else:
@@ -175,8 +184,10 @@ class Scheduler:
                 if id(req.group) in step.chosen:
                     i += 1
                     continue
-                steps = self._take_tokens(group, step)
+                steps = self._take_tokens(group, step, ahead)
             need = self.kv.num_blocks_needed(steps)
+            if ahead and need > self.kv.num_free_blocks - step.num_blocks:
+                return False
             preempted = False
             while need > self.kv.num_free_blocks - step.num_blocks:
                 victims = self._live(self.policy.victim(running), RequestStatus.RUNNING)
@@ -208,6 +219,7 @@ class Scheduler:
                 else:  # forked since its last step (n > 1, beam search): the worker gets it whole
                     step.new_reqs.append(self._new_request_data(req, n))
         step.num_blocks = 0  # allocated: from here on the pool's free count tells the rest
+        return True
 
     def _schedule_swapped(self, step: _Step) -> None:
         """Phase 2: swap groups back in, in queue order, while their blocks and seats fit.
@@ -251,8 +263,7 @@ class Scheduler:
             if seats + req_seats > self.max_num_seqs:
                 return
             hits = self.kv.find_cached_prefix(req)
-            end = req.fork_point if req.pending_forks else req.num_tokens
-            n = max(min(end - len(hits) * self.kv.block_size, step.budget), 0)
+            n = max(min(self._end(req, False) - len(hits) * self.kv.block_size, step.budget), 0)
             if self.kv.num_blocks_needed([(req, n)]) > self.kv.num_free_blocks:
                 return
             if self.kv.allocate_slots(req, n, hits) is None:
@@ -271,18 +282,31 @@ class Scheduler:
 
     # ---- helpers -------------------------------------------------------------------------------
 
-    def _take_tokens(self, group: list[Request], step: _Step) -> list[tuple[Request, int]]:
-        """Each member's tokens this step, taken from the budget in order (0 once it runs out).
-
-        Tokens to compute: the rest of its tokens; a group leader stops at its fork point.
-        """
+    def _take_tokens(self, group: list[Request], step: _Step, ahead: bool = False) -> list[tuple[Request, int]]:
+        """Each member's tokens this step, taken from the budget in order (0 once it runs out)."""
         steps = []
         for req in group:
-            end = req.fork_point if req.pending_forks else req.num_tokens
-            n = max(min(end - req.num_computed_tokens, step.budget), 0)
+            n = max(min(self._end(req, ahead) - req.num_computed_tokens, step.budget), 0)
             step.budget -= n
             steps.append((req, n))
         return steps
+
+    @staticmethod
+    def _end(req: Request, ahead: bool) -> int:
+        """Tokens the request's KV should cover after its next step.
+
+        Its known tokens; a group leader stops at its fork point. Ahead of a step in flight, a
+        request that step leaves with every known token computed is sampling one more (its id is
+        not known yet, the worker has it): that one too, unless it is the last by ``max_tokens``
+        (then the step in flight ends the request and nothing more is computed) or a beam's (beam
+        search picks its next token from the step's result).
+        """
+        if req.pending_forks:
+            return req.fork_point
+        if (ahead and req.num_computed_tokens == req.num_tokens and req.num_output_tokens + 1 < req.sampling.max_tokens
+                and not req.sampling.use_beam_search):  # beams: the control plane picks the tokens
+            return req.num_tokens + 1
+        return req.num_tokens
 
     def _seats_taken(self) -> int:
         """Seats of ``max_num_seqs`` in use: a running group holds its width (n, or the beam width), forks to come included."""
@@ -353,7 +377,8 @@ class Scheduler:
     # ---- applying a step and ending requests ---------------------------------------------------
 
     def advance(self, step: ScheduledStep) -> None:
-        """Apply a completed step: each scheduled request computed its scheduled tokens.
+        """Count a step's tokens as computed, once it is sent: the worker computes steps in order,
+        so the next step (scheduled before this one's result, or after) builds on them.
 
         A group leader that reached its fork point forks its siblings now: they share its blocks
         (reference counts up) and each computes the rest of its own tokens from there.

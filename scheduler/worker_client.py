@@ -141,6 +141,7 @@ class WorkerClient:
         self._last_fd: int | None = None  # the connection the last delivery came on
         self._registering: set[bytes] = set()  # peers whose authenticated Register was taken by `start`
         self._successor: tuple[bytes, protocol.Register] | None = None  # a new external worker's Register
+        self._early: dict[int, dict[int, object]] = {}  # step id -> rank -> a result that came before its turn
         self.failed: str | None = None
 
     @property
@@ -215,18 +216,31 @@ class WorkerClient:
         await self._gather(protocol.WorkerReady, max(self.timeout, _START_SECONDS))
 
     async def step(self, plan: protocol.StepPlan) -> protocol.StepResult:
-        """Send one plan to every rank and wait for all of them; return rank 0's result (the tokens).
+        """`submit` one plan and wait for its `result`."""
+        await self.submit(plan)
+        return await self.result(plan.step_id)
 
-        Raises WorkerFailed on a death or a missed deadline, when a rank of a group reports an error
-        (the group cannot run another step: see `worker.worker`), and when a rank sampled other token
-        ids than rank 0 (every rank samples; their mirrors must agree). A single worker's step error
-        is returned in the result, as the worker keeps serving.
+    async def submit(self, plan: protocol.StepPlan) -> None:
+        """Send one plan to every rank without waiting for it: each rank computes plans in the order sent.
+
+        Raises what encoding raises (OverflowError, UnicodeEncodeError, ValueError, TypeError) when the
+        plan cannot be sent; nothing is sent then.
         """
         await self._broadcast(plan)
-        results = await self._gather(protocol.StepResult, self.timeout, plan.step_id)
+
+    async def result(self, step_id: int) -> protocol.StepResult:
+        """Wait for every rank's result of step ``step_id``; return rank 0's (the tokens).
+
+        Results must be asked for in the order the plans were sent. Raises WorkerFailed on a death
+        or a missed deadline (``--worker-timeout``, counted from this call), when a rank of a group
+        reports an error (the group cannot run another step: see `worker.worker`), and when a rank
+        sampled other token ids than rank 0 (every rank samples; their mirrors must agree). A single
+        worker's step error is returned in the result, as the worker keeps serving.
+        """
+        results = await self._gather(protocol.StepResult, self.timeout, step_id)
         tokens = [[(t.request_id, t.token_id) for t in r.sampled] for r in results]
         if bad := next((rank for rank, ids in enumerate(tokens) if ids != tokens[0]), None):
-            self.failed = (f"worker rank {bad} sampled other tokens than rank 0 in step {plan.step_id}: the ranks' "
+            self.failed = (f"worker rank {bad} sampled other tokens than rank 0 in step {step_id}: the ranks' "
                            "request mirrors no longer agree")
             raise WorkerFailed(self.failed)
         return results[0]
@@ -248,11 +262,20 @@ class WorkerClient:
         replies: dict[int, object] = {}
         deadline = time.monotonic() + timeout
         ranks = {identity: rank for rank, identity in enumerate(self._identities)}
+        early = self._early.pop(step_id, {}) if step_id is not None else {}
         while len(replies) < len(self._identities):
             missing = [r for r in range(len(self._identities)) if r not in replies]
-            identity, msg = await self._recv_any(deadline, timeout,
-                                                 f"rank {missing[0]}" if len(missing) == 1 else f"ranks {missing}")
-            rank = ranks.get(identity)
+            if missing[0] in early:
+                rank = missing[0]
+                msg = early.pop(rank)
+            else:
+                identity, msg = await self._recv_any(deadline, timeout,
+                                                     f"rank {missing[0]}" if len(missing) == 1 else f"ranks {missing}")
+                rank = ranks.get(identity)
+            if (rank is not None and step_id is not None and isinstance(msg, kind) and msg.step_id > step_id
+                    and rank not in self._early.get(msg.step_id, {})):
+                self._early.setdefault(msg.step_id, {})[rank] = msg  # a fast rank is a step ahead of a slow one
+                continue
             if rank is None or not isinstance(msg, kind) or (step_id is not None and msg.step_id != step_id):
                 what = f"the result of step {step_id}" if step_id is not None else kind.__name__
                 self.failed = f"expected {what} from every rank, got {msg!r:.200} from rank {rank}"
@@ -416,6 +439,7 @@ class WorkerClient:
             self._fds.pop(identity, None)
             self._gone.pop(identity, None)
         self._identities, self._registering, self.failed = [], set(), None
+        self._early.clear()
 
     async def kill(self) -> None:
         """Kill every spawned rank for certain (SIGKILL) and reap it: a failed worker must not hold its pool.

@@ -125,13 +125,13 @@ def with_chat_template(checkpoint: Path, dest: Path, template: str) -> Path:
 def record_plans(engine) -> list:
     """The list every step plan the engine sends its worker is appended to, from now on."""
     plans = []
-    step = engine.client.step
+    submit = engine.client.submit
 
     async def recording(plan):
         plans.append(plan)
-        return await step(plan)
+        return await submit(plan)
 
-    engine.client.step = recording
+    engine.client.submit = recording
     return plans
 
 

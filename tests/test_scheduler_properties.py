@@ -21,6 +21,7 @@ request runs to its last token alone without a preemption; a rejected n-sampling
 from __future__ import annotations
 
 import asyncio
+import collections
 import copy
 import random
 import time
@@ -62,6 +63,7 @@ class FakeWorker:
         self.steps = 0
         self.steps_without_progress = 0
         self.on_step = None  # test hook: called with the plan before it runs
+        self.sent: collections.deque[StepPlan] = collections.deque()  # submitted, not run yet
 
     def _move(self, src: dict, dst: dict, pairs) -> None:
         for s, d in pairs:
@@ -101,6 +103,8 @@ class FakeWorker:
             end = begin + n
             if end > len(tokens) or len(blocks) * self.bs < end:
                 raise Violation(f"{rid}: {n} tokens from {begin} but {len(tokens)} known, {len(blocks)} blocks")
+            if end > num_prompt + sampling.max_tokens - 1:  # the last sampled token is never written
+                raise Violation(f"{rid}: computes position {end - 1}, past prompt + max_tokens - 1")
             for pos in range(begin, end):
                 self.device[blocks[pos // self.bs] * self.bs + pos % self.bs] = (tokens[pos], pos)
             for pos in range(end):  # attention reads every earlier position of this request
@@ -123,6 +127,16 @@ class FakeWorker:
         if self.steps_without_progress > MAX_STEPS_WITHOUT_PROGRESS:
             raise Violation(f"{MAX_STEPS_WITHOUT_PROGRESS} steps without a sampled token")
         return StepResult(step_id=plan.step_id, sampled=sampled)
+
+    async def submit(self, plan: StepPlan) -> None:
+        self.sent.append(plan)
+
+    async def result(self, step_id: int) -> StepResult:
+        """Run the oldest plan sent (plans run in the order sent, as the worker's do)."""
+        plan = self.sent.popleft()
+        if plan.step_id != step_id:
+            raise Violation(f"result of step {step_id} asked for, step {plan.step_id} is next")
+        return await self.step(plan)
 
     async def check_alive(self) -> None:
         pass  # it never dies
@@ -177,9 +191,13 @@ def watch_schedule(engine: Engine, worker: FakeWorker) -> None:
     """Check each step as it is decided: no preemption when everything running fits."""
     schedule = engine.scheduler.schedule
 
-    def checked():
+    def checked(ahead: bool = False):
         fits = running_fits(engine)
-        step = schedule()
+        step = schedule(ahead)
+        if step is None:
+            if not ahead:
+                raise Violation("schedule() returned None with no step in flight")
+            return step
         if fits and step.preempted:
             raise Violation(f"preempted {[r.request_id for r in step.preempted]} although everything running fit")
         check_step_invariants(engine, worker, step.plan)
@@ -188,16 +206,21 @@ def watch_schedule(engine: Engine, worker: FakeWorker) -> None:
     engine.scheduler.schedule = checked
 
 
-async def drive(engine: Engine, worker: FakeWorker, arrivals: list, aborts: dict[int, list[str]]) -> dict:
+async def drive(engine: Engine, worker: FakeWorker, arrivals: list, aborts: dict[int, list[str]],
+                tokens: dict | None = None) -> dict:
     """Submit ``arrivals`` [(step, id, prompt, params)] and abort ids at their steps; run until all end.
 
-    Returns request id -> "rejected" | the finish reason of its last delta.
+    Returns request id -> "rejected" | the finish reason of its last delta. tokens, when given,
+    gets (request id, choice index) -> (tokens streamed, finish reason) for every choice.
     """
     outcome: dict[str, str] = {}
     consumers = []
+    tokens = {} if tokens is None else tokens
 
     async def consume(rid, stream):
         async for out in stream:
+            count, _ = tokens.get((rid, out.index), (0, None))
+            tokens[(rid, out.index)] = (count + len(out.token_ids), out.finish_reason)
             if out.finish_reason is not None and out.index == 0:
                 outcome[rid] = out.finish_reason
 
@@ -275,9 +298,11 @@ request_st = st.tuples(
        policy=st.sampled_from(["fcfs", "priority"]),
        prefix=st.booleans(),
        eos_rate=st.sampled_from([0.0, 0.0, 0.1]),
+       async_scheduling=st.booleans(),
        seed=st.integers(0, 2**16))
 def test_random_workloads_finish_and_give_every_block_back(data, requests, block_size, pool_factor, max_num_seqs,
-                                                          budget, num_cpu_blocks, mode, policy, prefix, eos_rate, seed):
+                                                          budget, num_cpu_blocks, mode, policy, prefix, eos_rate,
+                                                          async_scheduling, seed):
     rng = random.Random(seed)
     base = [rng.randrange(256) for _ in range(12)]
     arrivals, specs = [], {}
@@ -295,26 +320,31 @@ def test_random_workloads_finish_and_give_every_block_back(data, requests, block
         aborts.setdefault(data.draw(st.integers(0, 30), label=f"abort step {rid}"), []).append(rid)
     cfg = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                        preemption_mode=mode, scheduling_policy=policy, enable_prefix_caching=prefix, max_n=8,
-                       max_model_len=64)
+                       max_model_len=64, async_scheduling=async_scheduling)
     event(f"pool {num_gpu_blocks} blocks")
 
     async def main():
         engine, worker = make_engine(cfg, num_gpu_blocks, num_cpu_blocks, seed, eos_rate)
         engine.scheduler.policy.kv_bytes_per_block = 1000
         watch_schedule(engine, worker)
-        outcome = await drive(engine, worker, arrivals, aborts)
+        outcome = await drive(engine, worker, arrivals, aborts, tokens)
         assert_all_blocks_back(engine)
         event("preempted" if engine.scheduler.num_preemptions else "no preemption")
         event("swapped" if engine.kv.swap.num_blocks_swapped_out else "no swap")
         event("rejected" if "rejected" in outcome.values() else "all accepted")
         return outcome
 
+    tokens: dict = {}
     outcome = asyncio.run(main())
     aborted = {rid for rids in aborts.values() for rid in rids}
     for rid, (prompt, params) in specs.items():
         assert rid in outcome, f"{rid} never finished"
         if outcome[rid] != "rejected" and rid not in aborted:
             assert outcome[rid] in ("stop", "length"), (rid, outcome[rid])
+            for index in range(params.n):  # exactly max_tokens, or fewer ending in EOS: none lost, none extra
+                count, reason = tokens[(rid, index)]
+                assert count == params.max_tokens if reason == "length" else 0 < count <= params.max_tokens, \
+                    (rid, index, count, reason, params.max_tokens)
         verdict_ok = outcome[rid] != "rejected"
         assert verdict_ok == (params.n <= max_num_seqs and
                               solo_need(block_size, len(prompt), params.max_tokens, params.n) <= num_gpu_blocks)
@@ -391,9 +421,10 @@ def test_group_readmitted_with_prefix_hits_past_its_fork_point_forks_again():
         watch_schedule(engine, worker)
         schedule = engine.scheduler.schedule
 
-        def recorded():
-            step = schedule()
-            resumptions.extend((r.request_id, r.mode, r.num_blocks) for r in step.resumptions)
+        def recorded(ahead: bool = False):
+            step = schedule(ahead)
+            if step is not None:
+                resumptions.extend((r.request_id, r.mode, r.num_blocks) for r in step.resumptions)
             return step
 
         engine.scheduler.schedule = recorded

@@ -96,14 +96,14 @@ async def test_each_plan_is_encoded_once_for_both_ranks(engines, monkeypatch):
 
     engine, _ = engines[2]
     encoded, steps = [], []
-    encode, step = protocol.encode, engine.client.step
+    encode, submit = protocol.encode, engine.client.submit
     monkeypatch.setattr(protocol, "encode", lambda msg: encoded.append(type(msg).__name__) or encode(msg))
 
     async def counting(plan):
         steps.append(plan.step_id)
-        return await step(plan)
+        return await submit(plan)
 
-    monkeypatch.setattr(engine.client, "step", counting)
+    monkeypatch.setattr(engine.client, "submit", counting)
     tokens, _, _ = await collect(engine.add_request(GOLDEN_PROMPT_IDS, SamplingParams(temperature=0, max_tokens=5)))
     assert tokens == GOLDEN_OUTPUT_IDS[:5] and len(steps) == 5
     assert encoded == ["StepPlan"] * 5  # not one per rank

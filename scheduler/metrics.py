@@ -51,6 +51,9 @@ class Metrics:
         for mode in PREEMPTION_MODES:
             self.num_preemptions.labels(mode=mode, **self._l)
         self.world_size.labels(**self._l).set(world_size)
+        # bound once: labels() costs a dict lookup and a lock per call, and these run per token
+        self._generation_tokens = self.generation_tokens.labels(**self._l)
+        self._ttft, self._itl = self.ttft.labels(**self._l), self.itl.labels(**self._l)
 
     def watch(self, *, usage, num_cached_free, num_running, num_waiting, num_swapped, cpu_usage) -> None:
         """Read the pool gauges live, at scrape time, from zero-argument callables: /metrics and
@@ -78,8 +81,9 @@ class Metrics:
         self.prefix_cache_hits.labels(**self._l).inc(num_cached_tokens)
 
     def on_token(self, first: bool, latency: float) -> None:
-        self.generation_tokens.labels(**self._l).inc()
-        (self.ttft if first else self.itl).labels(**self._l).observe(latency)
+        """One output token; latency: seconds since arrival (the first token) or since the previous one."""
+        self._generation_tokens.inc()
+        (self._ttft if first else self._itl).observe(latency)
 
     def on_finished(self, reason: str, e2e_seconds: float) -> None:
         self.request_success.labels(finished_reason=reason, **self._l).inc()

@@ -14,6 +14,10 @@ random prompts of the trace's scaled lengths) with `WorkerClient.step` timed. Fo
 Prints medians per band of running requests (decode-only steps and steps with a prefill apart)
 and a least-squares fit of each part against running requests over the decode-only steps.
 
+The engine runs with ``async_scheduling`` off, so the three parts follow each other and add up
+to the step; with it on (the default) the control plane works while the worker computes the
+next step (compare the two loops with `pagedkv bench --async-scheduling / --no-async-scheduling`).
+
     python ops/bench_step_anatomy.py --model ../shared/models/stories260K --trace conv --num-requests 200
 
 Another tree's interpreter runs it against that tree's code (e.g. ``/work/wt/base/.venv/bin/python``).
@@ -56,6 +60,8 @@ async def main() -> None:
     extra = {"attention_backend": args.attention_backend} if args.attention_backend else {}
     if args.kv_cache_tokens:
         extra["num_gpu_blocks"] = args.kv_cache_tokens // EngineConfig().block_size
+    if "async_scheduling" in EngineConfig.__struct_fields__:  # trees before it had only the serial loop
+        extra["async_scheduling"] = False
     config = EngineConfig(model=args.model, load_format=args.load_format, **extra)
     max_model_len = resolve_max_model_len(ModelConfig.load(args.model), config.max_model_len)
     rows = load_trace(resolve_trace(args.trace))

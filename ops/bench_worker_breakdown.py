@@ -61,7 +61,7 @@ def _instrument(runner, acc: dict) -> None:
     kernels = getattr(runner.model, "kernels", None)  # None in the d863b9d baseline: attention is "rest of forward"
     if getattr(kernels, "fused_available", lambda: False)():
         lib = kernels._library()
-        lib.paged_decode_attention = timed("attention: C decode kernel", lib.paged_decode_attention)
+        lib.paged_attention_fused = timed("attention: C fused kernel", lib.paged_attention_fused)
     ref = sys.modules["pagedkv.kernels.reference"]
     if hasattr(ref, "batched_paged_attention"):
         ref.batched_paged_attention = timed("attention: batched torch", ref.batched_paged_attention)

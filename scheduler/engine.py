@@ -2,7 +2,9 @@
 
 One loop turns forever: apply aborts, ask the scheduler for a step plan, send it to the worker,
 hand the sampled tokens to the output processor (`scheduler.output_processor`: detokenize, check
-stop conditions, stream deltas to each request's queue), free finished requests' blocks. The API
+stop conditions, stream deltas to each request's queue), free finished requests' blocks. With
+async scheduling (the default) the next plan is scheduled and sent before the previous result is
+taken, so the worker computes step N + 1 while this loop applies step N (`_loop`). The API
 and `pagedkv generate` talk to it through `Engine.add_request`, an async iterator of
 `RequestOutput` deltas; closing that iterator early aborts the request, so every block comes back
 whatever way a request ends. Metrics, tracing and the request log are written here.

@@ -15,8 +15,12 @@ Prints medians per band of running requests (decode-only steps and steps with a 
 and a least-squares fit of each part against running requests over the decode-only steps.
 
 The engine runs with ``async_scheduling`` off, so the three parts follow each other and add up
-to the step; with it on (the default) the control plane works while the worker computes the
-next step (compare the two loops with `pagedkv bench --async-scheduling / --no-async-scheduling`).
+to the step. With ``--async-scheduling`` (the engine's default) the control plane works while
+the worker computes the next step and the parts no longer add up; it prints only how much of
+the replay's wall time the worker was computing (the sum of ``forward_seconds``), as it does for
+the serial loop:
+
+    python ops/bench_step_anatomy.py --model ../shared/models/stories260K --async-scheduling
 
     python ops/bench_step_anatomy.py --model ../shared/models/stories260K --trace conv --num-requests 200
 
@@ -56,12 +60,15 @@ async def main() -> None:
     p.add_argument("--max-tokens", default="trace", choices=["trace", "max-model-len"])
     p.add_argument("--kv-allocator", default=None, help="paged | contiguous (this tree's bench)")
     p.add_argument("--no-kv-accounting", action="store_true", help="skip the bench's KV accounting after every step")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="run the engine's default loop (next step sent before the last result is taken); "
+                        "print the worker's busy share only")
     args = p.parse_args()
     extra = {"attention_backend": args.attention_backend} if args.attention_backend else {}
     if args.kv_cache_tokens:
         extra["num_gpu_blocks"] = args.kv_cache_tokens // EngineConfig().block_size
     if "async_scheduling" in EngineConfig.__struct_fields__:  # trees before it had only the serial loop
-        extra["async_scheduling"] = False
+        extra["async_scheduling"] = args.async_scheduling
     config = EngineConfig(model=args.model, load_format=args.load_format, **extra)
     max_model_len = resolve_max_model_len(ModelConfig.load(args.model), config.max_model_len)
     rows = load_trace(resolve_trace(args.trace))
@@ -70,31 +77,53 @@ async def main() -> None:
 
     steps = []  # (running, new tokens, prefill?, worker s, channel s, control plane s)
     last_return = [None]
-    original = WorkerClient.step
+    sent: dict[int, tuple[float, object]] = {}  # step id -> (time sent, plan)
+    original = {name: getattr(WorkerClient, name) for name in ("step", "submit", "result") if hasattr(WorkerClient, name)}
 
-    async def timed_step(self, plan):
-        t0 = time.perf_counter()
-        result = await original(self, plan)
-        t1 = time.perf_counter()
+    def record(plan, t0: float, t1: float, result) -> None:
         control = t0 - last_return[0] if last_return[0] is not None else 0.0  # the first step: none before it
         last_return[0] = t1
         running = len(plan.new_requests) + len(plan.cached_requests)
         prefill = bool(plan.new_requests) or plan.num_scheduled_tokens > running
         steps.append((running, plan.num_scheduled_tokens, prefill, result.forward_seconds,
                       t1 - t0 - result.forward_seconds, control))
+
+    async def timed_step(self, plan):  # trees whose loop calls step()
+        t0 = time.perf_counter()
+        result = await original["step"](self, plan)
+        record(plan, t0, time.perf_counter(), result)
         return result
 
-    WorkerClient.step = timed_step
+    async def timed_submit(self, plan):
+        sent[plan.step_id] = (time.perf_counter(), plan)
+        return await original["submit"](self, plan)
+
+    async def timed_result(self, step_id):
+        result = await original["result"](self, step_id)
+        t0, plan = sent.pop(step_id)
+        record(plan, t0, time.perf_counter(), result)
+        return result
+
+    if "result" in original:
+        WorkerClient.submit, WorkerClient.result = timed_submit, timed_result
+    else:
+        WorkerClient.step = timed_step
     cpu0 = time.process_time()
     run = await run_in_process(config, requests, progress=False, account_kv_every_step=not args.no_kv_accounting,
                                **({"kv_allocator": args.kv_allocator} if args.kv_allocator else {}))
     cpu = time.process_time() - cpu0
-    WorkerClient.step = original
+    for name, fn in original.items():
+        setattr(WorkerClient, name, fn)
     # the control-plane time before step i is the gap after step i - 1: attribute it to step i
     rows = steps
     print(f"{args.trace}, {len(requests)} requests at once: {len(steps)} steps, "
           f"{run['output_token_throughput']:.1f} output tok/s, {run['num_preemptions']} preemptions, "
           f"control-plane process CPU {cpu:.2f} s over {run['duration_s']:.2f} s wall")
+    wall = run["duration_s"]
+    print(f"worker computing {sum(s[3] for s in steps):.2f} s of the replay's {wall:.2f} s wall time "
+          f"({100 * sum(s[3] for s in steps) / wall:.0f}%)")
+    if args.async_scheduling:
+        return  # the parts overlap: a per-step split would not add up
     print(f"{'running':>9} {'kind':>8} {'steps':>6} {'tokens':>7} {'worker ms':>10} {'channel ms':>11} "
           f"{'control ms':>11} {'step ms':>8}")
     bands = [(1, 16), (17, 64), (65, 128), (129, 192), (193, 256)]
@@ -121,6 +150,7 @@ async def main() -> None:
         for name, ys in parts.items():
             slope, icpt = _fit(xs, ys)
             print(f"  {name:>14}: {1000 * slope:.4f}, {1000 * icpt:.2f}")
+
 
 
 if __name__ == "__main__":

@@ -726,6 +726,8 @@ class _API:
         _check_common(req, engine, request_id)
         num_prompts = len(req.prompt) if isinstance(req.prompt, list) and req.prompt and \
             not isinstance(req.prompt[0], int) else 1
+        if req.n > engine.config.max_n:  # the narrower bound names its own flag
+            raise APIError(400, f"n: must be between 1 and {engine.config.max_n} (--max-n), got {req.n}", "n")
         if num_prompts * req.n > engine.config.max_choices:  # refused before a prompt is tokenized
             param = "n" if req.n > 1 else "prompt"
             raise APIError(400, f"{param}: n ({req.n}) x prompts ({num_prompts}) exceeds {engine.config.max_choices} "

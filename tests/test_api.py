@@ -275,6 +275,12 @@ async def test_nan_temperature_gets_400(http):
                                             "type": "invalid_request_error", "param": "temperature", "code": None}
 
 
+async def test_n_above_max_n_names_max_n_even_past_max_choices(http):
+    resp = await http.post("/v1/completions", json={**GREEDY_60, "n": 300})  # 300 > --max-choices 128 too
+    assert resp.status == 400
+    assert (await resp.json())["error"]["message"] == "n: must be between 1 and 16 (--max-n), got 300"
+
+
 async def test_wrong_type_message_names_the_expected_type(http):
     resp = await http.post("/v1/completions", json={"prompt": "Once", "temperature": "hot"})
     assert (await resp.json())["error"]["message"] == "temperature: expected `float | null`, got `str`"

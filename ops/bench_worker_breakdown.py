@@ -61,7 +61,8 @@ def _instrument(runner, acc: dict) -> None:
     kernels = getattr(runner.model, "kernels", None)  # None in the d863b9d baseline: attention is "rest of forward"
     if getattr(kernels, "fused_available", lambda: False)():
         lib = kernels._library()
-        lib.paged_attention_fused = timed("attention: C fused kernel", lib.paged_attention_fused)
+        name = "paged_attention_fused" if hasattr(lib, "paged_attention_fused") else "paged_decode_attention"
+        setattr(lib, name, timed("attention: C fused kernel", getattr(lib, name)))  # older trees' name too
     ref = sys.modules["pagedkv.kernels.reference"]
     if hasattr(ref, "batched_paged_attention"):
         ref.batched_paged_attention = timed("attention: batched torch", ref.batched_paged_attention)

@@ -1,12 +1,17 @@
-/* Fused paged attention for CPUs: each new token reads its sequence's K/V in place through the
- * block table (PagedAttention, Kwon et al., SOSP 2023, section 4.1), one pass per token. Built and
- * loaded by kernels/cpu_kernels.py (plain C, no torch headers, so it compiles in about a second).
+/* Fused paged attention for CPUs: new tokens read their sequence's K/V in place through the
+ * block table (PagedAttention, Kwon et al., SOSP 2023, section 4.1). Built and loaded by
+ * kernels/cpu_kernels.py (plain C, no torch headers, so it compiles in about a second).
  *
  * Why not tensor ops: a decode step is bound by reading the KV cache. Gathering K/V into a
  * contiguous tensor, then transposing it for a batched GEMM, moves every byte three times and
- * pays per-(sequence, head) GEMM overheads; here each K and V element is read once per new token.
- * Prefill chunks up to max_query_len tokens run here too (no padding, no mask: each token stops
- * at its own position); longer ones are better served by GEMMs, which reuse K/V across queries.
+ * pays per-(sequence, head) GEMM overheads; here K/V are read in place. Two paths:
+ * - attend: one new token (decode), all heads, one pass over its context: scores, softmax, V.
+ * - attend_tile: up to TILE_Q consecutive new tokens of a sequence (prefill, extend) together,
+ *   with an online softmax (FlashAttention) over chunks of CHUNK keys: each K/V row is loaded
+ *   once per tile instead of once per token, K is transposed per chunk so that scores are
+ *   vector multiply-adds over keys (no horizontal sums at head_dim 8), and each token stops at
+ *   its own position (no padding, no mask beyond its last chunk).
+ * Prefill chunks up to max_query_len tokens run here; longer ones take cpu_kernels.py's GEMMs.
  *
  * Layout: q and out [num_tokens, num_heads, head_dim] float32; k_cache and v_cache
  * [num_blocks, block_size, num_kv_heads, head_dim] of the pool's element type; block_tables
@@ -14,6 +19,7 @@
  * query_start_loc [num_seqs + 1] int32. Only sequences with 1 to max_query_len new tokens are
  * computed; the others' rows of out are left untouched. Head h reads KV head h / (num_heads / num_kv_heads).
  */
+#include <limits.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -115,57 +121,303 @@ static inline __attribute__((always_inline)) void attend(
     }
 }
 
-/* The arguments of one call; a thread computes sequences [first, last). */
+enum { TILE_Q = 16, CHUNK = 32 };  /* queries per tile; keys per online-softmax step (4 AVX2 vectors) */
+
+/* e^x for x <= 0 in plain arithmetic, so that loops over it vectorize inline (no libm call):
+ * e^x = 2^n e^f with n the integer nearest x log2(e) (truncating t - 0.5 rounds a t <= 0 to
+ * nearest) and f = x - n ln2 (one fused multiply-add), |f| <= 0.35; e^f by its degree-7 Taylor
+ * polynomial (error < 1e-8); 2^n written into the exponent bits. Relative error against double
+ * exp: 7e-8 on [-5, 0], 3e-7 down to -80 (float ln2 times n). x is clamped at -87 (e^-87 ~
+ * 1.6e-38, about the smallest normal float), so n + 127 >= 1. */
+static inline float exp_nonpositive(float x) {
+    x = x > -87.0f ? x : -87.0f;
+    const int32_t n = (int32_t)(x * 1.44269504f - 0.5f);
+    const float f = x - (float)n * 0.693147181f;
+    const float p = 1.0f + f * (1.0f + f * (0.5f + f * (1.0f / 6 + f * (1.0f / 24 + f * (1.0f / 120
+                  + f * (1.0f / 720 + f * (1.0f / 5040)))))));
+    const int32_t bits = (n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* Per-thread scratch of the tile path, for one KV head at a time (rows = TILE_Q x group). */
+typedef struct {
+    float *q;    /* [rows][head_dim]: the tile's queries of the KV head's group, times qk_scale */
+    float *acc;  /* [rows][head_dim]: sum of p * v so far */
+    float *m;    /* [rows]: running max of the scores */
+    float *l;    /* [rows]: running sum of e^(score - m) */
+    float *kt;   /* [head_dim][CHUNK]: the chunk's K, transposed so a row's scores are vector FMAs */
+    float *v;    /* [CHUNK][head_dim]: the chunk's V as float32 */
+    float *row;  /* [head_dim]: one K or V row converted from the pool's element type */
+    float *s;    /* [rows][CHUNK]: the chunk's scores, then weights */
+} Scratch;
+
+/* Eight floats as one value (GCC and Clang vector extensions; one AVX register, two SSE or NEON
+ * ones), loadable from any float address. */
+typedef float f32x8 __attribute__((vector_size(32), aligned(4), may_alias));
+
+/* s[r][c] = <q[r], kt[:, c]> for rows r of q ([rows][head_dim]) and the CHUNK keys of a chunk
+ * (kt: [head_dim][CHUNK], s: [rows][CHUNK]). Written with vectors so that the accumulators stay
+ * in registers for every head_dim (as plain loops they do only when the d loop unrolls fully);
+ * two rows at a time share each load of kt. */
+static inline __attribute__((always_inline)) void chunk_scores(
+        const float *restrict q, int rows, const float *restrict kt, const int head_dim, float *restrict s) {
+    _Static_assert(CHUNK == 32, "four vectors of eight keys");
+    int r = 0;
+    for (; r + 2 <= rows; r += 2) {
+        const float *restrict q0 = q + r * head_dim, *restrict q1 = q0 + head_dim;
+        f32x8 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0}, t0 = {0}, t1 = {0}, t2 = {0}, t3 = {0};
+        for (int d = 0; d < head_dim; d++) {
+            const f32x8 *k = (const f32x8 *)(kt + d * CHUNK);
+            const f32x8 k0 = k[0], k1 = k[1], k2 = k[2], k3 = k[3];
+            s0 += q0[d] * k0, s1 += q0[d] * k1, s2 += q0[d] * k2, s3 += q0[d] * k3;
+            t0 += q1[d] * k0, t1 += q1[d] * k1, t2 += q1[d] * k2, t3 += q1[d] * k3;
+        }
+        f32x8 *out = (f32x8 *)(s + r * CHUNK);
+        out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3, out[4] = t0, out[5] = t1, out[6] = t2, out[7] = t3;
+    }
+    if (r < rows) {
+        const float *restrict q0 = q + r * head_dim;
+        f32x8 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+        for (int d = 0; d < head_dim; d++) {
+            const f32x8 *k = (const f32x8 *)(kt + d * CHUNK);
+            s0 += q0[d] * k[0], s1 += q0[d] * k[1], s2 += q0[d] * k[2], s3 += q0[d] * k[3];
+        }
+        f32x8 *out = (f32x8 *)(s + r * CHUNK);
+        out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+    }
+}
+
+/* a += sum over c < n of p[c] v[c], v: [n][head_dim]. Enough independent vector accumulators
+ * that consecutive multiply-adds do not wait on each other: eight along d for head_dim a multiple
+ * of 64; else, for a multiple of 8, four along the keys (c mod 4) per eight of a's elements; other
+ * sizes take the plain loop. */
+static inline __attribute__((always_inline)) void add_weighted_rows(
+        float *restrict a, const float *restrict p, const float *restrict v, int n, const int head_dim) {
+    if (head_dim % 8 != 0) {
+        for (int c = 0; c < n; c++)
+            for (int d = 0; d < head_dim; d++) a[d] += p[c] * v[c * head_dim + d];
+        return;
+    }
+    if (head_dim % 64 == 0) {  /* eight accumulators along d share one broadcast of p[c] */
+        for (int j = 0; j < head_dim; j += 64) {
+            f32x8 *aj = (f32x8 *)(a + j);
+            f32x8 a0 = aj[0], a1 = aj[1], a2 = aj[2], a3 = aj[3], a4 = aj[4], a5 = aj[5], a6 = aj[6], a7 = aj[7];
+            for (int c = 0; c < n; c++) {
+                const f32x8 *vc = (const f32x8 *)(v + c * head_dim + j);
+                const float pc = p[c];
+                a0 += pc * vc[0], a1 += pc * vc[1], a2 += pc * vc[2], a3 += pc * vc[3];
+                a4 += pc * vc[4], a5 += pc * vc[5], a6 += pc * vc[6], a7 += pc * vc[7];
+            }
+            aj[0] = a0, aj[1] = a1, aj[2] = a2, aj[3] = a3, aj[4] = a4, aj[5] = a5, aj[6] = a6, aj[7] = a7;
+        }
+        return;
+    }
+    for (int j = 0; j < head_dim; j += 8) {
+        f32x8 a0 = *(const f32x8 *)(a + j), a1 = {0}, a2 = {0}, a3 = {0};
+        const float *restrict vj = v + j;
+        int c = 0;
+        for (; c + 4 <= n; c += 4) {
+            a0 += p[c] * *(const f32x8 *)(vj + c * head_dim);
+            a1 += p[c + 1] * *(const f32x8 *)(vj + (c + 1) * head_dim);
+            a2 += p[c + 2] * *(const f32x8 *)(vj + (c + 2) * head_dim);
+            a3 += p[c + 3] * *(const f32x8 *)(vj + (c + 3) * head_dim);
+        }
+        for (; c < n; c++) a0 += p[c] * *(const f32x8 *)(vj + c * head_dim);
+        *(f32x8 *)(a + j) = (a0 + a1) + (a2 + a3);
+    }
+}
+
+/* Several consecutive new tokens of one sequence, all heads (FlashAttention's online softmax, Dao
+ * et al. 2022, section 3.1, over the paged K/V of section 4.1 of the PagedAttention paper). Each
+ * K/V row the tile sees is loaded and converted once per KV head for all the tile's queries, not
+ * once per query; each query stops at its own position (causal: query i sees first_len + i keys).
+ * q, out: [num_queries, num_heads, head_dim] at the tile's first query. */
+static inline __attribute__((always_inline)) void attend_tile(
+        const float *restrict q, int num_queries, int64_t first_len, const void *k_cache, const void *v_cache,
+        int kind, const float *lut, const int32_t *table, int num_kv_heads, int group, const int head_dim,
+        int block_size, float qk_scale, float v_scale, const Scratch *sc, float *restrict out) {
+    const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
+    const int num_heads = num_kv_heads * group, rows = num_queries * group;
+    const int64_t kv_len = first_len + num_queries - 1;  /* keys the tile's last query sees */
+    float *restrict qs = sc->q, *restrict acc = sc->acc, *restrict m = sc->m, *restrict l = sc->l;
+    float *restrict kt = sc->kt, *restrict vs = sc->v, *restrict row = sc->row, *restrict scores = sc->s;
+    for (int kvh = 0; kvh < num_kv_heads; kvh++) {
+        for (int i = 0; i < num_queries; i++)
+            for (int g = 0; g < group; g++) {
+                const float *restrict src = q + ((int64_t)i * num_heads + kvh * group + g) * head_dim;
+                float *restrict dst = qs + (i * group + g) * head_dim;
+                for (int d = 0; d < head_dim; d++) dst[d] = src[d] * qk_scale;
+            }
+        for (int r = 0; r < rows; r++) m[r] = -1e30f, l[r] = 0.0f;
+        memset(acc, 0, sizeof(float) * (size_t)rows * (size_t)head_dim);
+        for (int64_t c0 = 0; c0 < kv_len; c0 += CHUNK) {
+            const int n = kv_len - c0 < CHUNK ? (int)(kv_len - c0) : CHUNK;
+            /* load the chunk's K (transposed) and V for this KV head, walking the block table */
+            for (int c = 0; c < n; c++) {
+                const int64_t key = c0 + c;
+                const int64_t index = ((int64_t)table[key / block_size] * block_size + key % block_size) * token_stride
+                                      + (int64_t)kvh * head_dim;
+                const float *k = (const float *)k_cache + index;
+                if (kind != KV_F32) {
+                    load_row(kind, k_cache, index, head_dim, lut, row);
+                    k = row;
+                }
+                for (int d = 0; d < head_dim; d++) kt[d * CHUNK + c] = k[d];
+                load_row(kind, v_cache, index, head_dim, lut, vs + (int64_t)c * head_dim);
+            }
+            int first = 0;  /* the tile's first query that sees a key of this chunk */
+            while (first_len + first - c0 <= 0) first++;
+            chunk_scores(qs + first * group * head_dim, rows - first * group, kt, head_dim, scores + first * group * CHUNK);
+            for (int i = first; i < num_queries; i++) {
+                const int64_t visible = first_len + i - c0;  /* keys of this chunk query i sees */
+                const int nv = visible < n ? (int)visible : n;
+                for (int g = 0; g < group; g++) {
+                    const int r = i * group + g;
+                    float *restrict s = scores + r * CHUNK;
+                    float mx = m[r];
+                    for (int c = 0; c < CHUNK; c++) {
+                        s[c] = c < nv ? s[c] : -1e30f;  /* keys past the query, or past the chunk */
+                        mx = s[c] > mx ? s[c] : mx;
+                    }
+                    const float alpha = exp_nonpositive(m[r] - mx);  /* rescales what the old max weighed */
+                    float sum = 0.0f;
+                    for (int c = 0; c < CHUNK; c++) {  /* a masked key weighs e^-87: nothing next to sum >= 1 */
+                        s[c] = exp_nonpositive(s[c] - mx);
+                        sum += s[c];
+                    }
+                    m[r] = mx;
+                    l[r] = l[r] * alpha + sum;
+                    float *restrict a = acc + r * head_dim;
+                    for (int d = 0; d < head_dim; d++) a[d] *= alpha;
+                    add_weighted_rows(a, s, vs, nv, head_dim);
+                }
+            }
+        }
+        for (int i = 0; i < num_queries; i++)
+            for (int g = 0; g < group; g++) {
+                const int r = i * group + g;
+                const float inv = v_scale / l[r];
+                float *restrict dst = out + ((int64_t)i * num_heads + kvh * group + g) * head_dim;
+                for (int d = 0; d < head_dim; d++) dst[d] = acc[r * head_dim + d] * inv;
+            }
+    }
+}
+
+/* The arguments of one call; a thread computes the tiles from (first_seq, first_tile) up to, not
+ * including, (last_seq, last_tile). */
 typedef struct {
     const float *q; const void *k_cache; const void *v_cache; int kv_kind; const float *lut;
     const int32_t *block_tables; int64_t table_stride; const int32_t *seq_lens; const int32_t *query_start_loc;
     int num_heads, num_kv_heads, head_dim, block_size, max_query_len; int64_t num_blocks, max_seq_len;
     float scale, k_scale, v_scale;
-    float *out; int64_t first, last; int status;
+    float *out; int64_t first_seq, last_seq; int first_tile, last_tile; int status;
 } Work;
+
+/* A sequence's new tokens split into tiles of at most TILE_Q, of sizes differing by at most one
+ * (17 tokens are 9 + 8, not 16 + 1): tile k holds new tokens [k q_len / tiles, (k + 1) q_len / tiles). */
+static inline int num_tiles(int64_t q_len) { return (int)((q_len + TILE_Q - 1) / TILE_Q); }
+static inline int64_t tile_start(int64_t q_len, int k) { return k * q_len / num_tiles(q_len); }
+
+/* (query, key) pairs of new tokens [j0, j1) of a sequence: new token j sees seq_len - q_len + j + 1 keys */
+static inline int64_t pairs(int64_t seq_len, int64_t q_len, int64_t j0, int64_t j1) {
+    const int64_t first = seq_len - q_len + j0 + 1, n = j1 - j0;
+    return n * first + n * (n - 1) / 2;
+}
+
+/* New tokens [j0, j1) of sequence s, all heads; first_len: the keys new token j0 sees. A lone new
+ * token (decode) gains nothing from a tile's reuse of K/V and pays the per-chunk transposition of
+ * K for only `group` rows, so it takes the per-token path unless head_dim is at most 4 x group
+ * (ops/bench_cpu_attention.py shapes, heads/KV heads/head_dim: the tile path is 1.3x faster at
+ * 8/4/8 and 4.4x at 8/1/8, but 0.7x at 8/8/8, 0.5x at 8/2/32 and 0.3x at 32/8/64). */
+static inline __attribute__((always_inline)) void attend_tokens(
+        const Work *w, const Scratch *sc, float *scores, int64_t s, int64_t j0, int64_t j1, int64_t first_len,
+        const int head_dim) {
+    const int group = w->num_heads / w->num_kv_heads;
+    const int32_t *table = w->block_tables + s * w->table_stride;
+    const int64_t at = (w->query_start_loc[s] + j0) * w->num_heads * head_dim;
+    const float qk_scale = w->scale * w->k_scale;
+    if (j1 - j0 == 1 && head_dim > 4 * group) {
+        const int64_t elem_bytes = w->kv_kind == KV_F32 ? 4 : w->kv_kind == KV_BF16 ? 2 : 1;
+        attend(w->q + at, w->k_cache, w->v_cache, w->kv_kind, w->lut, elem_bytes, table, first_len, w->num_kv_heads,
+               group, head_dim, w->block_size, qk_scale, w->v_scale, scores, sc->row, w->out + at);
+    } else {
+        attend_tile(w->q + at, (int)(j1 - j0), first_len, w->k_cache, w->v_cache, w->kv_kind, w->lut, table,
+                    w->num_kv_heads, group, head_dim, w->block_size, qk_scale, w->v_scale, sc, w->out + at);
+    }
+}
+
+/* Common head sizes get a copy with head_dim known at compile time (unrolled, vectorized), each a
+ * function of its own: inlined together into run, they slowed decode by about 5%. */
+#define ATTEND_TOKENS(NAME, D)                                                                                   \
+    static __attribute__((noinline)) void NAME(const Work *w, const Scratch *sc, float *scores, int64_t s,       \
+                                               int64_t j0, int64_t j1, int64_t first_len) {                     \
+        attend_tokens(w, sc, scores, s, j0, j1, first_len, D);                                                   \
+    }
+ATTEND_TOKENS(attend_tokens_8, 8)
+ATTEND_TOKENS(attend_tokens_64, 64)
+ATTEND_TOKENS(attend_tokens_128, 128)
+ATTEND_TOKENS(attend_tokens_any, w->head_dim)
+#undef ATTEND_TOKENS
 
 static void *run(void *arg) {
     Work *w = arg;
-    const int group = w->num_heads / w->num_kv_heads;
-    const int64_t elem_bytes = w->kv_kind == KV_F32 ? 4 : w->kv_kind == KV_BF16 ? 2 : 1;
+    const int head_dim = w->head_dim;
+    const size_t rows = (size_t)TILE_Q * (w->num_heads / w->num_kv_heads);
     float *scores = malloc(sizeof(float) * (size_t)w->num_heads * (size_t)(w->max_seq_len > 0 ? w->max_seq_len : 1));
-    float *row = malloc(sizeof(float) * (size_t)w->num_kv_heads * (size_t)w->head_dim);
-    w->status = scores && row ? 0 : -1;
-    for (int64_t s = w->first; s < w->last && w->status == 0; s++) {
-        const int32_t t_q = w->query_start_loc[s], q_len = w->query_start_loc[s + 1] - t_q;
+    float *row = malloc(sizeof(float) * (size_t)w->num_kv_heads * (size_t)head_dim);
+    float *tile = calloc(2 * rows * head_dim + 2 * rows + 2 * (size_t)CHUNK * head_dim + rows * CHUNK, sizeof(float));
+    Scratch sc = {0};
+    if (tile) {  /* the tile path's arrays, carved from one zeroed allocation */
+        float *p = tile;
+        sc.q = p, p += rows * head_dim;
+        sc.acc = p, p += rows * head_dim;
+        sc.m = p, p += rows;
+        sc.l = p, p += rows;
+        sc.kt = p, p += CHUNK * head_dim;
+        sc.v = p, p += CHUNK * head_dim;
+        sc.s = p;
+    }
+    sc.row = row;
+    w->status = scores && row && tile ? 0 : -1;
+    for (int64_t s = w->first_seq; s <= w->last_seq && w->status == 0; s++) {
+        const int32_t q_len = w->query_start_loc[s + 1] - w->query_start_loc[s];
         if (q_len < 1 || q_len > w->max_query_len) continue;  /* idle, or left to the batched path */
+        const int first_tile = s == w->first_seq ? w->first_tile : 0;
+        const int last_tile = s == w->last_seq && w->last_tile < num_tiles(q_len) ? w->last_tile : num_tiles(q_len);
+        if (first_tile >= last_tile) continue;
         const int64_t seq_len = w->seq_lens[s] < w->max_seq_len ? w->seq_lens[s] : w->max_seq_len;
         const int32_t *table = w->block_tables + s * w->table_stride;
         for (int64_t b = 0; b < (seq_len + w->block_size - 1) / w->block_size; b++)
             if (table[b] < 0 || table[b] >= w->num_blocks) w->status = -2;  /* never read outside the pool */
         if (w->status != 0) break;
-        for (int32_t j = 0; j < q_len; j++) {  /* causal: new token j sees the context up to itself */
-            const int64_t len = seq_len - q_len + j + 1;
-            const int64_t at = (int64_t)(t_q + j) * w->num_heads * w->head_dim;
-            if (len < 1) continue;
-            /* common head sizes get a copy with head_dim known at compile time (unrolled, vectorized) */
-#define ATTEND(D) attend(w->q + at, w->k_cache, w->v_cache, w->kv_kind, w->lut, elem_bytes, table, len,      \
-                         w->num_kv_heads, group, D, w->block_size, w->scale * w->k_scale, w->v_scale, scores, \
-                         row, w->out + at)
-            switch (w->head_dim) {
-                case 8: ATTEND(8); break;
-                case 64: ATTEND(64); break;
-                case 128: ATTEND(128); break;
-                default: ATTEND(w->head_dim);
+        for (int k = first_tile; k < last_tile; k++) {
+            int64_t j0 = tile_start(q_len, k);
+            const int64_t j1 = tile_start(q_len, k + 1);
+            if (j0 < q_len - seq_len) j0 = q_len - seq_len;  /* causal: a new token sees the context up to itself */
+            if (j0 >= j1) continue;
+            const int64_t first_len = seq_len - q_len + j0 + 1;
+            switch (head_dim) {
+                case 8: attend_tokens_8(w, &sc, scores, s, j0, j1, first_len); break;
+                case 64: attend_tokens_64(w, &sc, scores, s, j0, j1, first_len); break;
+                case 128: attend_tokens_128(w, &sc, scores, s, j0, j1, first_len); break;
+                default: attend_tokens_any(w, &sc, scores, s, j0, j1, first_len);
             }
-#undef ATTEND
         }
     }
-    free(scores); free(row);
+    free(scores); free(row); free(tile);
     return NULL;
 }
 
 enum { MAX_THREADS = 256 };
 
-/* Attention for every sequence with 1 to max_query_len new tokens, on num_threads threads (each
- * takes a contiguous range of sequences holding about the same number of (query, key) pairs).
- * Returns 0; -1 when scratch memory could not be had; -2 when a block table names a block outside
- * [0, num_blocks) within its sequence's length (out is then incomplete). */
+/* Attention for every sequence with 1 to max_query_len new tokens, on num_threads threads. The
+ * work is cut into tiles (one decode token, or up to TILE_Q consecutive new tokens of a sequence)
+ * and each thread takes a contiguous range of tiles holding about the same number of (query, key)
+ * pairs, so one long prompt spreads over threads too. Returns 0; -1 when scratch memory could not
+ * be had; -2 when a block table names a block outside [0, num_blocks) within its sequence's length
+ * (out is then incomplete). */
 int paged_attention_fused(const float *q, const void *k_cache, const void *v_cache, int kv_kind,
                            const float *lut, const int32_t *block_tables, int64_t table_stride,
                            const int32_t *seq_lens, const int32_t *query_start_loc, int64_t num_seqs,
@@ -174,11 +426,11 @@ int paged_attention_fused(const float *q, const void *k_cache, const void *v_cac
                            float *out, int num_threads) {
     const Work all = {q, k_cache, v_cache, kv_kind, lut, block_tables, table_stride, seq_lens, query_start_loc,
                       num_heads, num_kv_heads, head_dim, block_size, max_query_len, num_blocks, max_seq_len,
-                      scale, k_scale, v_scale, out, 0, num_seqs, 0};
+                      scale, k_scale, v_scale, out, 0, num_seqs - 1, 0, INT_MAX, 0};
     int64_t total = 0;  /* (query, key) pairs: the work */
     for (int64_t s = 0; s < num_seqs; s++) {
         const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];
-        if (q_len >= 1 && q_len <= max_query_len) total += q_len * seq_lens[s];
+        if (q_len >= 1 && q_len <= max_query_len) total += pairs(seq_lens[s], q_len, 0, q_len);
     }
     /* a thread costs ~50 us to start: give each at least ~4K (query, key) pairs (tens of us of work) */
     int threads = num_threads < MAX_THREADS ? num_threads : MAX_THREADS;
@@ -191,18 +443,22 @@ int paged_attention_fused(const float *q, const void *k_cache, const void *v_cac
     Work work[MAX_THREADS];
     pthread_t ids[MAX_THREADS];
     int started[MAX_THREADS] = {0};
-    int64_t s = 0, done = 0;
-    for (int i = 0; i < threads; i++) {
-        work[i] = all;
-        work[i].first = s;
-        const int64_t target = total * (i + 1) / threads;
-        while (s < num_seqs && (done < target || i == threads - 1)) {
-            const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];
-            done += q_len >= 1 && q_len <= max_query_len ? q_len * seq_lens[s] : 0;
-            s++;
+    int64_t done = 0;
+    int used = 0;  /* threads given a range so far, the last one still open */
+    work[0] = all;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];
+        if (q_len < 1 || q_len > max_query_len) continue;
+        for (int k = 0; k < num_tiles(q_len); k++) {
+            if (used + 1 < threads && done >= total * (used + 1) / threads) {  /* close range `used` here */
+                work[used].last_seq = s, work[used].last_tile = k;
+                work[++used] = all;
+                work[used].first_seq = s, work[used].first_tile = k;
+            }
+            done += pairs(seq_lens[s], q_len, tile_start(q_len, k), tile_start(q_len, k + 1));
         }
-        work[i].last = s;
     }
+    threads = used + 1;
     int status = 0;
     for (int i = 1; i < threads; i++) started[i] = pthread_create(&ids[i], NULL, run, &work[i]) == 0;
     for (int i = 1; i < threads; i++)

@@ -1,11 +1,12 @@
 """The CPU backend: a fused C attention kernel, batched PyTorch for long prefills, the reference's cache ops.
 
 Decode is bound by reading the KV cache, so decode rows (one new token) go to
-``cpu_attention.c``, which reads each sequence's K/V once per new token, in place, through its
-block table. So do extend and prefill rows of sequences with at most ``FUSED_MAX_QUERY_LEN`` new
-tokens: no padding and no mask, each token stops at its own position. Longer prefill chunks stay
-on `reference.batched_paged_attention`'s gather + batched GEMMs, which reuse K/V across queries
-(`ops/bench_cpu_attention.py`: one 2,048-token prompt at head_dim 128 is 0.85x in C, 512 tokens 2.2x).
+``cpu_attention.c``, which reads each sequence's K/V in place through its block table. So do
+extend and prefill rows of sequences with at most ``FUSED_MAX_QUERY_LEN`` new tokens, in tiles of
+up to 16 consecutive tokens that share each K/V read (an online softmax, FlashAttention-style): no
+padding and no mask, each token stops at its own position. Longer prefill chunks stay on
+`reference.batched_paged_attention`'s gather + batched GEMMs (`ops/bench_cpu_attention.py` times
+both; with the tiles, C is also the faster at 2,048 tokens, 2.7x at head_dim 128).
 
 The C file is compiled on first use with the system C compiler (``$CC``, else ``cc``) into
 ``$PAGEDKV_CACHE_DIR`` (default ``~/.cache/pagedkv``), keyed by a hash of the source, flags and CPU,
@@ -122,8 +123,9 @@ def paged_attention(
     is False, run `reference.batched_paged_attention`. max_query_len <= ``FUSED_MAX_QUERY_LEN``
     (e.g. a decode-only step) skips the batched pass; max_query_len and max_seq_len, when given,
     must bound the batch's (else they are computed here). The fused rows are split over
-    ``torch.get_num_threads()`` threads (by (query, key) pairs, at least about 4K of them per thread). Raises MemoryError when the
-    kernel cannot allocate its scratch (``num_heads x max_seq_len`` floats per thread), IndexError
+    ``torch.get_num_threads()`` threads (tiles of new tokens, by (query, key) pairs, at least about 4K of
+    them per thread). Raises MemoryError when the kernel cannot allocate its scratch (``num_heads x
+    max_seq_len`` floats per thread, and a tile's), IndexError
     when a fused row's block table holds a block id outside ``[0, num_blocks)`` within its length
     (nothing is read outside the pool).
     """

@@ -152,6 +152,66 @@ def test_fused_kernel_splits_sequences_over_threads_without_changing_the_result(
     torch.testing.assert_close(got, reference.paged_attention(*args), atol=1e-5, rtol=0)
 
 
+# the C kernel's tile path: TILE_Q = 16 new tokens per tile, CHUNK = 32 keys per online-softmax step
+TILED_Q_LENS = [1, 2, 16, 17, 33, 50, 5]  # decode, the smallest tile, one full tile, 9 + 8, 11 + 11 + 11, 4 tiles
+TILED_CONTEXTS = [40, 0, 31, 5, 32, 100, 0]  # tokens before the new ones (chunked prefill): tiles cross chunk edges
+
+
+@pytest.mark.parametrize("pool", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("head_dim, num_heads, num_kv_heads, block_size", [
+    (8, 8, 4, 16),  # stories260K (its decode rows take the tile path too)
+    (64, 8, 2, 16),  # specialized, GQA groups of 4
+    (128, 4, 4, 7),  # specialized, no grouping, blocks that do not divide a chunk
+    (40, 6, 3, 16),  # generic, a multiple of 8
+    (24, 6, 3, 5),  # generic, not a multiple of 8: the plain loops
+])
+def test_fused_kernel_tiles_prefill_and_extend_rows_like_the_oracle(pool, head_dim, num_heads, num_kv_heads,
+                                                                     block_size):
+    seq_lens = [q + c for q, c in zip(TILED_Q_LENS, TILED_CONTEXTS)]
+    q, k_cache, v_cache, *rest = make_batch(TILED_Q_LENS, seq_lens, num_heads, num_kv_heads, head_dim, block_size,
+                                            torch.float32, seed=head_dim)
+    k_cache, v_cache = k_cache.to(pool), v_cache.to(pool)  # float32 queries over the pool's element type
+    scales = {"k_scale": 0.5, "v_scale": 3.0} if pool.itemsize == 1 else {}
+    expected = reference.paged_attention(q, k_cache, v_cache, *rest, **scales)
+    out = torch.full_like(q, float("nan"))  # a row the kernel skipped would stay NaN
+    got = cpu_kernels.paged_attention(q, k_cache, v_cache, *rest, out=out, **scales)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_fused_kernel_gives_the_same_bits_on_any_number_of_threads():
+    # one 600-token prompt holds most of the work: its tiles spread over the threads
+    q_lens, seq_lens = [1, 600, 1, 37, 0, 1], [70, 650, 3, 37, 5, 200]
+    args = make_batch(q_lens, seq_lens, num_heads=8, num_kv_heads=4, head_dim=8, block_size=16,
+                      dtype=torch.float32, seed=14)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, 3, 7):
+            torch.set_num_threads(n)
+            results.append(cpu_kernels.paged_attention(*args, out=torch.full_like(args[0], float("nan"))))
+    finally:
+        torch.set_num_threads(threads)
+    for got in results[1:]:
+        assert torch.equal(got, results[0])  # each tile is computed whole by one thread, in the same order
+    torch.testing.assert_close(results[0], reference.paged_attention(*args), atol=1e-5, rtol=0)
+
+
+def test_fused_kernel_refuses_a_block_table_pointing_outside_the_pool_in_a_prompt_split_over_threads():
+    q, k_cache, v_cache, tables, seq_lens, qsl, scale = make_batch(
+        [1, 400], [20, 410], num_heads=4, num_kv_heads=2, head_dim=8, block_size=16, dtype=torch.float32, seed=15)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            for bad in (-1, k_cache.shape[0]):
+                broken = tables.clone()
+                broken[1, 25] = bad  # the prompt's last block (tokens 400..409)
+                with pytest.raises(IndexError, match="outside the pool"):
+                    cpu_kernels.paged_attention(q, k_cache, v_cache, broken, seq_lens, qsl, scale)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_fused_kernel_refuses_a_block_table_pointing_outside_the_pool():
     q, k_cache, v_cache, tables, seq_lens, qsl, scale = make_batch(
         [1, 1], [20, 9], num_heads=4, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32, seed=12)

@@ -329,8 +329,9 @@ static inline int64_t pairs(int64_t seq_len, int64_t q_len, int64_t j0, int64_t 
 /* New tokens [j0, j1) of sequence s, all heads; first_len: the keys new token j0 sees. A lone new
  * token (decode) gains nothing from a tile's reuse of K/V and pays the per-chunk transposition of
  * K for only `group` rows, so it takes the per-token path unless head_dim is at most 4 x group
- * (ops/bench_cpu_attention.py shapes, heads/KV heads/head_dim: the tile path is 1.3x faster at
- * 8/4/8 and 4.4x at 8/1/8, but 0.7x at 8/8/8, 0.5x at 8/2/32 and 0.3x at 32/8/64). */
+ * (measured on decode batches built as ops/bench_cpu_attention.py builds them, heads/KV heads/
+ * head_dim: at 256 x 112 tokens the tile path is 1.2-1.3x faster at 8/4/8 and 4.4x at 8/1/8, but
+ * 0.7x at 8/8/8 and 0.5x at 8/2/32; at 64 x 1024, 0.3x at 32/8/64). */
 static inline __attribute__((always_inline)) void attend_tokens(
         const Work *w, const Scratch *sc, float *scores, int64_t s, int64_t j0, int64_t j1, int64_t first_len,
         const int head_dim) {

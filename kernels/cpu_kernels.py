@@ -6,7 +6,7 @@ extend and prefill rows of sequences with at most ``FUSED_MAX_QUERY_LEN`` new to
 up to 16 consecutive tokens that share each K/V read (an online softmax, FlashAttention-style): no
 padding and no mask, each token stops at its own position. Longer prefill chunks stay on
 `reference.batched_paged_attention`'s gather + batched GEMMs (`ops/bench_cpu_attention.py` times
-both; with the tiles, C is also the faster at 2,048 tokens, 2.7x at head_dim 128).
+both; with the tiles, C is also the faster at 2,048 tokens, 2.4-2.7x at head_dim 128).
 
 The C file is compiled on first use with the system C compiler (``$CC``, else ``cc``) into
 ``$PAGEDKV_CACHE_DIR`` (default ``~/.cache/pagedkv``), keyed by a hash of the source, flags and CPU,

@@ -2,7 +2,7 @@
 
 A backend is a module exporting `paged_attention`, `write_kv_cache`, `copy_blocks` and
 `swap_blocks` (signatures and layouts in `kernels.reference`): `kernels.triton_kernels`,
-`kernels.cpu_kernels` (fused in C up to 1,024 new tokens a sequence, longer prefill batched) or `kernels.torch_kernels` (the batched
+`kernels.cpu_kernels` (fused in C up to 2,048 new tokens a sequence, longer prefill batched) or `kernels.torch_kernels` (the batched
 PyTorch attention alone; `kernels.reference.paged_attention`, the per-sequence loop, is the oracle
 tests compare every backend against). The worker picks one once, at
 model load, with `select_backend` (from ``--attention-backend``, else by device) and passes it

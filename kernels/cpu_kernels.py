@@ -42,8 +42,10 @@ _SOURCE = Path(__file__).with_name("cpu_attention.c")
 # and use vector expf (results differ from the oracle by float rounding only, tested to 1e-5);
 # -march=native uses this CPU's vector width, so the build is keyed by the CPU (below).
 _FLAGS = ["-O3", "-ffast-math", "-march=native", "-fPIC", "-shared", "-std=c11", "-pthread"]
-# Sequences with up to this many new tokens run in C; longer prefill chunks in batched GEMMs.
-FUSED_MAX_QUERY_LEN = 1024
+# Sequences with up to this many new tokens run in C (the tiles beat the batched GEMMs at 2,048 on
+# every shape of ops/bench_cpu_attention.py: 2.4-15x); longer prefill chunks in batched GEMMs.
+# 2,048 is the default max_num_batched_tokens, so by default every prefill chunk runs in C.
+FUSED_MAX_QUERY_LEN = 2048
 # the kernel's element kinds (cpu_attention.c's KV_F32, KV_BF16, KV_LUT8): 8-bit pools decode through a table
 _F32, _BF16, _LUT8 = 0, 1, 2
 _KINDS = {torch.float32: _F32, torch.bfloat16: _BF16, torch.float8_e4m3fn: _LUT8, torch.float8_e5m2: _LUT8}

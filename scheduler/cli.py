@@ -173,7 +173,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=_int_in(0, 2**63 - 1), default=d.seed,
                    help="seed of dummy weights and of requests without a seed")
     g.add_argument("--attention-backend", choices=["cpu", "torch", "triton"], default=None,
-                   help="paged-attention implementation; default: triton on CUDA, cpu (fused in C up to 1,024 new "
+                   help="paged-attention implementation; default: triton on CUDA, cpu (fused in C up to 2,048 new "
                         "tokens a sequence, longer prefill batched in PyTorch) elsewhere; torch: batched PyTorch only")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
                    help="schedule and send step N + 1 while the worker computes step N, and apply step N's "

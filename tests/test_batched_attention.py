@@ -1,7 +1,7 @@
 """The CPU attention backends equal the per-sequence oracle (`kernels.reference.paged_attention`).
 
 Both `reference.batched_paged_attention` (the ``torch`` backend) and `cpu_kernels.paged_attention`
-(the default ``cpu`` backend: rows of up to 1,024 new tokens in the fused C kernel, longer prefill
+(the default ``cpu`` backend: rows of up to 2,048 new tokens in the fused C kernel, longer prefill
 chunks batched) are held to it.
 """
 
@@ -104,7 +104,7 @@ def test_fused_kernel_computes_rows_up_to_its_query_length_and_leaves_longer_one
     monkeypatch.setattr(reference, "batched_paged_attention", spy)
     expected = reference.paged_attention(*args)
     torch.testing.assert_close(cpu_kernels.paged_attention(*args), expected, atol=1e-5, rtol=0)
-    assert calls == []  # every row is at most FUSED_MAX_QUERY_LEN (1024): all in C
+    assert calls == []  # every row is at most FUSED_MAX_QUERY_LEN (2048): all in C
     monkeypatch.setattr(cpu_kernels, "FUSED_MAX_QUERY_LEN", 4)
     torch.testing.assert_close(cpu_kernels.paged_attention(*args), expected, atol=1e-5, rtol=0)
     assert calls == [4]  # one batched call, for the 5-token row only

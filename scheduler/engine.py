@@ -164,7 +164,8 @@ class Engine:
                  device=hello.device, dtype=hello.dtype, kv_cache_dtype=hello.kv_cache_dtype, world_size=config.tensor_parallel_size,
                  block_size=config.block_size,
                  num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
-                 kv_bytes_per_block=hello.kv_bytes_per_block, max_model_len=engine.max_model_len)
+                 kv_bytes_per_block=hello.kv_bytes_per_block, max_model_len=engine.max_model_len,
+                 async_scheduling=config.async_scheduling)
         return engine
 
     @property

@@ -11,7 +11,8 @@ not, and with probability --abort-rate a moment to walk away (a streamed client 
 a blocking one after a short delay). The worker process is killed with SIGKILL every --kill-every
 requests and/or every --kill-interval seconds; the server must recover and the streams go on.
 
-Prints and writes (--out) a JSON report: completed, aborted, errors by type, p50/p99 end-to-end
+Prints and writes (--out) a JSON report: completed, aborted, walkaways (clients drawn to walk
+away; one whose answer came first counts as completed), errors by type, p50/p99 end-to-end
 latency of completed requests (seconds), worker restarts, blocks leaked (device and host, must be
 0), and the control plane's RSS at start and at the end (MiB). Exit status 1 when any block leaked
 or any request failed.
@@ -88,6 +89,7 @@ class Soak:
         self.outcomes: collections.Counter = collections.Counter()
         self.errors: collections.Counter = collections.Counter()
         self.latencies: list[float] = []
+        self.walkaways = 0  # clients drawn to walk away; those whose answer came first count as completed
         self.done = 0
         self.kills = 0
 
@@ -153,6 +155,7 @@ class Soak:
         for _ in range(a.requests):
             body = _request_body(self.rng, a.max_tokens)
             abort = self.rng.random() < a.abort_rate
+            self.walkaways += abort
             abort_chunks = self.rng.randint(1, 3) if abort and body["stream"] else None
             abort_after = self.rng.uniform(0.01, 0.3) if abort and not body["stream"] else None
             queue.put_nowait((body, abort_after, abort_chunks))
@@ -231,6 +234,7 @@ async def main_async(args: argparse.Namespace) -> dict:
             "requests": args.requests,
             "completed": soak.outcomes["completed"],
             "aborted": soak.outcomes["aborted"],
+            "walkaways": soak.walkaways,
             "errors": dict(soak.errors),
             "p50_latency_s": _percentile(soak.latencies, 0.50),
             "p99_latency_s": _percentile(soak.latencies, 0.99),

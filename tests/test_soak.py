@@ -23,7 +23,9 @@ async def test_soak_1000_requests_with_aborts_and_worker_kills_leaks_nothing(sto
                                                     "--kill-every", "400", "--max-tokens", "6"]))
     assert report["errors"] == {}
     assert report["completed"] + report["aborted"] == 1000
-    assert 0.2 < report["aborted"] / 1000 < 0.4
+    assert 0.2 < report["walkaways"] / 1000 < 0.4  # drawn from the seeded generator
+    # a walkaway whose whole answer came first completed instead: how many depends on the engine's speed
+    assert 100 <= report["aborted"] <= report["walkaways"]
     assert report["worker_kills"] == 2 and report["worker_restarts"] == 2
     assert report["preemptions_recompute"] + report["preemptions_swap"] > 0  # the pool was under pressure
     assert report["blocks_leaked"] == 0 and report["host_blocks_leaked"] == 0 and report["live_requests_left"] == 0

@@ -95,6 +95,27 @@ async def start(stories260k):
         yield _start
 
 
+def module_loop_fixtures():
+    """``start`` and ``engine`` (one default engine shared by the module) in the module's event loop.
+
+    For a module marked ``pytest.mark.asyncio(loop_scope="module")``: ``start, engine =
+    module_loop_fixtures()`` at its top level overrides conftest's function-loop ``start``.
+    """
+    import pytest_asyncio
+
+    @pytest_asyncio.fixture(loop_scope="module")
+    async def start(stories260k):
+        async with engine_starter(stories260k) as _start:
+            yield _start
+
+    @pytest_asyncio.fixture(scope="module", loop_scope="module")
+    async def engine(stories260k):
+        async with engine_starter(stories260k) as _start:
+            yield await _start()
+
+    return start, engine
+
+
 async def collect(stream):
     """Drain one request's output stream: (token ids, text, the last delta)."""
     tokens, text, last = [], "", None

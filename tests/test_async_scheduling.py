@@ -10,19 +10,15 @@ block comes back.
 import asyncio
 
 import pytest
-import pytest_asyncio
 
 from pagedkv.common.sampling_params import SamplingParams
 from conftest import (GOLDEN_COMPLETION, GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS, assert_all_blocks_free,
-                      engine_starter)
+                      module_loop_fixtures)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
-@pytest_asyncio.fixture(loop_scope="module")
-async def start(stories260k):
-    async with engine_starter(stories260k) as _start:
-        yield _start
+start, _ = module_loop_fixtures()
 
 
 def record_channel(engine) -> list[tuple[str, int]]:

@@ -11,29 +11,17 @@ import subprocess
 import sys
 
 import pytest
-import pytest_asyncio
 
 from pagedkv.common.sampling_params import SamplingParams
 from conftest import (GOLDEN_COMPLETION, GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS, assert_all_blocks_free,
-                      collect, engine_starter, metric, record_plans)
+                      collect, metric, module_loop_fixtures, record_plans)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 GREEDY = SamplingParams(temperature=0, max_tokens=60)
 
 
-@pytest_asyncio.fixture(loop_scope="module")
-async def start(stories260k):
-    """conftest's ``start``, in this module's event loop (where the shared engine runs)."""
-    async with engine_starter(stories260k) as _start:
-        yield _start
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engine(stories260k):
-    """One engine of the default config, shared by the tests that need nothing else."""
-    async with engine_starter(stories260k) as _start:
-        yield await _start()
+start, engine = module_loop_fixtures()  # the shared engine has the default config (prefix caching on)
 
 
 async def test_greedy_completion_equals_the_golden(engine):

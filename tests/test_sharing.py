@@ -8,11 +8,10 @@ need another config, start their own (``start``).
 import asyncio
 
 import pytest
-import pytest_asyncio
 
 from pagedkv.common.sampling_params import SamplingParams
-from conftest import (GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS, assert_all_blocks_free, engine_starter, metric,
-                      record_plans)
+from conftest import (GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS, assert_all_blocks_free, metric,
+                      module_loop_fixtures, record_plans)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -34,18 +33,7 @@ async def choices(engine, prompt_ids, params, on_output=None):
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 
 
-@pytest_asyncio.fixture(loop_scope="module")
-async def start(stories260k):
-    """conftest's ``start``, in this module's event loop (where the shared engine runs)."""
-    async with engine_starter(stories260k) as _start:
-        yield _start
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engine(stories260k):
-    """One engine of the default config (prefix caching on), shared."""
-    async with engine_starter(stories260k) as _start:
-        yield await _start()
+start, engine = module_loop_fixtures()  # the shared engine has the default config (prefix caching on)
 
 
 async def test_greedy_outputs_are_identical_with_prefix_caching_on_and_off(engine, start):

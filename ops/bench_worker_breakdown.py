@@ -72,8 +72,9 @@ def _instrument(runner, acc: dict) -> None:
                 "paged_attention": staticmethod(timed("attention", kernels.paged_attention)),
                 "write_kv_cache": staticmethod(timed("write_kv_cache", kernels.write_kv_cache))})
         layer.mlp.forward = timed("mlp (gate, up, silu x up, down)", layer.mlp.forward)
-        for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            getattr(layer.self_attn, p).forward = timed("q/k/v/o projections", getattr(layer.self_attn, p).forward)
+        for p in ("qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj"):  # separate q/k/v in older trees
+            if hasattr(layer.self_attn, p):
+                getattr(layer.self_attn, p).forward = timed("q/k/v/o projections", getattr(layer.self_attn, p).forward)
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             norm.forward = timed("rmsnorm", norm.forward)
     runner.model.lm_head.forward = timed("lm_head", runner.model.lm_head.forward)

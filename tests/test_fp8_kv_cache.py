@@ -126,8 +126,8 @@ def test_scales_come_from_the_first_prefill_not_from_profiling(stories260k):
     with torch.no_grad():
         x = r.model.model.layers[0].input_layernorm(r.model.model.embed_tokens(torch.tensor(GOLDEN_PROMPT_IDS)))
         freqs = torch.arange(5).float()[:, None] * rope_inv_freq(r.model_config)[None, :]
-        k = apply_rope(attn.k_proj(x).view(5, 4, 8), freqs.cos(), freqs.sin())
-        v = attn.v_proj(x)
+        _, k, v = attn.qkv_proj(x).split([64, 32, 32], dim=-1)  # stories260K: 8 heads, 4 KV heads, head_dim 8
+        k = apply_rope(k.reshape(5, 4, 8), freqs.cos(), freqs.sin())
     assert prefill(r, GOLDEN_PROMPT_IDS) == GOLDEN_OUTPUT_IDS[0]
     k_scale, v_scale = r.model.kv_scales[0]
     assert k_scale == pytest.approx(float(k.abs().max()) * 2 / 448, rel=1e-6)

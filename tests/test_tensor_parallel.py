@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import socket
 
@@ -19,11 +20,12 @@ import zmq
 import zmq.asyncio
 from conftest import GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from pagedkv.common import protocol
 from pagedkv.common.config import EMBEDDED_HF_CONFIG, EngineConfig, ModelConfig
 from pagedkv.scheduler.worker_client import WorkerClient, WorkerFailed
-from pagedkv.worker.model_loader import load_model, shard_of
+from pagedkv.worker.model_loader import checkpoint_tensors, load_model, shard_of
 from pagedkv.worker.parallel import TensorParallel
 from tp_ranks import logits_rank, step_logits
 
@@ -78,7 +80,7 @@ def test_a_rank_loads_exactly_its_slices_of_the_checkpoint(stories260k):
         full = {name: f.get_tensor(name) for name in f.keys()}
     engine_config = EngineConfig(model=str(stories260k))
     tp = TensorParallel(1, 4)  # loading needs no collective, so no process group either
-    params = dict(load_model(config, engine_config, torch.device("cpu"), torch.float32, tp).named_parameters())
+    params = checkpoint_tensors(load_model(config, engine_config, torch.device("cpu"), torch.float32, tp))
     layer = "model.layers.3."
     expect = {  # rank 1 of 4: query heads 2-3, KV head 1, intermediate channels 43-85 (head_dim 8)
         "self_attn.q_proj.weight": full[layer + "self_attn.q_proj.weight"][16:32],
@@ -96,14 +98,79 @@ def test_a_rank_loads_exactly_its_slices_of_the_checkpoint(stories260k):
     assert shard_of("model.embed_tokens.weight", config, tp) is None and shard_of("lm_head.weight", config, tp) is None
 
 
+# a GQA model small enough to write out: 4 heads, 2 KV heads, head_dim 4, 8 intermediate channels
+TINY_HF_CONFIG = dict(EMBEDDED_HF_CONFIG, hidden_size=16, intermediate_size=8, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=4, vocab_size=32)
+# (world_size, rank, its q_proj rows, its k_proj / v_proj rows, its gate_proj / up_proj rows), by hand
+TINY_SHARDS = [(1, 0, range(0, 16), range(0, 8), range(0, 8)), (2, 0, range(0, 8), range(0, 4), range(0, 4)),
+               (2, 1, range(8, 16), range(4, 8), range(4, 8)),
+               (4, 3, range(12, 16), range(4, 8), range(6, 8))]  # 4 ranks > 2 KV heads: KV head 1 replicated
+
+
+def _fused(model, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    block = model.model.layers[layer]
+    return block.self_attn.qkv_proj.weight, block.mlp.gate_up_proj.weight
+
+
+@pytest.mark.parametrize("world_size,rank,q_rows,kv_rows,mlp_rows", TINY_SHARDS)
+def test_each_checkpoint_projection_lands_in_its_rows_of_the_fused_weights(tmp_path, world_size, rank, q_rows,
+                                                                           kv_rows, mlp_rows):
+    (tmp_path / "config.json").write_text(json.dumps(TINY_HF_CONFIG))
+    config = ModelConfig.load(str(tmp_path))
+    shapes = {"model.embed_tokens.weight": (32, 16), "model.norm.weight": (16,)}
+    for i in range(2):
+        shapes.update({f"model.layers.{i}.{name}": shape for name, shape in [
+            ("self_attn.q_proj.weight", (16, 16)), ("self_attn.k_proj.weight", (8, 16)),
+            ("self_attn.v_proj.weight", (8, 16)), ("self_attn.o_proj.weight", (16, 16)),
+            ("mlp.gate_proj.weight", (8, 16)), ("mlp.up_proj.weight", (8, 16)), ("mlp.down_proj.weight", (16, 8)),
+            ("input_layernorm.weight", (16,)), ("post_attention_layernorm.weight", (16,))]})
+    full, start = {}, 0
+    for name, shape in shapes.items():  # every element of the checkpoint a different number
+        full[name] = torch.arange(start, start + math.prod(shape), dtype=torch.float32).view(shape)
+        start += math.prod(shape)
+    save_file(full, str(tmp_path / "model.safetensors"))
+    model = load_model(config, EngineConfig(model=str(tmp_path)), torch.device("cpu"), torch.float32,
+                       TensorParallel(rank, world_size))
+    for i in range(2):
+        qkv, gate_up = _fused(model, i)
+        layer = lambda name: full[f"model.layers.{i}.{name}.weight"]  # noqa: E731
+        assert torch.equal(qkv, torch.cat([layer("self_attn.q_proj")[q_rows.start:q_rows.stop],
+                                           layer("self_attn.k_proj")[kv_rows.start:kv_rows.stop],
+                                           layer("self_attn.v_proj")[kv_rows.start:kv_rows.stop]])), i
+        assert torch.equal(gate_up, torch.cat([layer("mlp.gate_proj")[mlp_rows.start:mlp_rows.stop],
+                                               layer("mlp.up_proj")[mlp_rows.start:mlp_rows.stop]])), i
+
+
+@pytest.mark.parametrize("world_size,rank,q_rows,kv_rows,mlp_rows", TINY_SHARDS)
+def test_dummy_fused_weights_hold_the_draws_of_the_separate_projections(tmp_path, world_size, rank, q_rows,
+                                                                        kv_rows, mlp_rows):
+    """Dummy weights are drawn one checkpoint tensor at a time in the checkpoint's order, as before the
+    projections were fused: the same seed gives the same model."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY_HF_CONFIG))
+    config = ModelConfig.load(str(tmp_path))
+    model = load_model(config, EngineConfig(model=str(tmp_path), load_format="dummy", seed=5), torch.device("cpu"),
+                       torch.float32, TensorParallel(rank, world_size))
+    gen = torch.Generator().manual_seed(5)
+    draw = lambda *shape: torch.empty(shape).normal_(0.0, 0.02, generator=gen)  # noqa: E731
+    assert torch.equal(model.model.embed_tokens.weight, draw(32, 16))
+    for i in range(2):
+        # q, k, v, o, gate, up, down (the norms are ones, drawn from nothing)
+        q, k, v, _, gate, up, _ = (draw(*shape) for shape in [(16, 16), (8, 16), (8, 16), (16, 16), (8, 16), (8, 16),
+                                                              (16, 8)])
+        qkv, gate_up = _fused(model, i)
+        assert torch.equal(qkv, torch.cat([q[q_rows.start:q_rows.stop], k[kv_rows.start:kv_rows.stop],
+                                           v[kv_rows.start:kv_rows.stop]])), i
+        assert torch.equal(gate_up, torch.cat([gate[mlp_rows.start:mlp_rows.stop], up[mlp_rows.start:mlp_rows.stop]])), i
+
+
 def test_dummy_weights_are_the_same_model_at_every_tensor_parallel_size(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(MQA_HF_CONFIG))
     config = ModelConfig.load(str(tmp_path))
     engine_config = EngineConfig(model=str(tmp_path), load_format="dummy", seed=3)
-    whole = dict(load_model(config, engine_config, torch.device("cpu"), torch.float32).named_parameters())
+    whole = checkpoint_tensors(load_model(config, engine_config, torch.device("cpu"), torch.float32))
     for rank in range(4):
         tp = TensorParallel(rank, 4)
-        part = dict(load_model(config, engine_config, torch.device("cpu"), torch.float32, tp).named_parameters())
+        part = checkpoint_tensors(load_model(config, engine_config, torch.device("cpu"), torch.float32, tp))
         for name, p in part.items():
             shard = shard_of(name, config, tp)
             expected = whole[name] if shard is None else (

@@ -1,9 +1,11 @@
 """The Llama forward pass over a flat mixed batch, reading and writing a paged KV cache.
 
 Architecture: Llama 2/3 (Touvron et al. 2023; Grattafiori et al. 2024) with Hugging Face
-``LlamaForCausalLM`` parameter names, so a checkpoint's state dict loads by name. Prefill chunks and
-decode tokens of many sequences travel together as one ``[num_tokens]`` batch; attention finds each
-sequence's context through its block table (PagedAttention, Kwon et al., SOSP 2023).
+``LlamaForCausalLM`` parameter names, except that each layer's q/k/v_proj are one ``qkv_proj`` and its
+gate/up_proj one ``gate_up_proj`` (one GEMM each; `model_loader` fills their row blocks from the
+checkpoint's separate tensors). Prefill chunks and decode tokens of many sequences travel together
+as one ``[num_tokens]`` batch; attention finds each sequence's context through its block table
+(PagedAttention, Kwon et al., SOSP 2023).
 """
 
 from __future__ import annotations
@@ -98,6 +100,9 @@ class RMSNorm(nn.Module):
 class LlamaAttention(nn.Module):
     """Grouped-query attention (Ainslie et al. 2023) over the paged cache, with ``kernels`` (a `kernels` backend).
 
+    Q, K and V come from one GEMM: ``qkv_proj.weight`` is ``[(num_heads + 2 * num_kv_heads) * head_dim,
+    hidden_size]``, the q_proj rows, then k_proj's, then v_proj's (the loader fills each from the
+    checkpoint's separate tensors), and its output is split into views (as vLLM's QKVParallelLinear).
     Under tensor parallelism ``config`` is this rank's shard (`ModelConfig.shard`): Q/K/V are
     column-parallel (this rank's heads), o_proj row-parallel, followed by one all-reduce.
     """
@@ -109,9 +114,8 @@ class LlamaAttention(nn.Module):
         self.tp = tp
         h, d = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False, dtype=dtype)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False, dtype=dtype)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False, dtype=dtype)
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=False, dtype=dtype)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False, dtype=dtype)
         self.scale = d ** -0.5
         # fp8 KV cache: dequantized = stored x scale (`kernels.fp8`); None until the checkpoint, a
@@ -121,9 +125,10 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache):
         n = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)  # views, rows strided
+        q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         ks = vs = 1.0
         if fp8.is_fp8(k_cache.dtype):
             if self.k_scale is None:  # calibrate on the first prefill
@@ -141,6 +146,8 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU feed-forward (Shazeer 2020): down(silu(gate(x)) * up(x)).
 
+    gate and up come from one GEMM: ``gate_up_proj.weight`` is ``[2 * intermediate_size, hidden_size]``,
+    the gate_proj rows, then up_proj's; its output's two halves are views.
     Under tensor parallelism gate/up are column-parallel, down row-parallel, followed by one all-reduce.
     """
 
@@ -148,12 +155,13 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.tp = tp
         h, i = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=False, dtype=dtype)
-        self.up_proj = nn.Linear(h, i, bias=False, dtype=dtype)
+        self.gate_up_proj = nn.Linear(h, 2 * i, bias=False, dtype=dtype)
         self.down_proj = nn.Linear(i, h, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+        """x: ``[num_tokens, hidden_size]`` -> ``[num_tokens, hidden_size]``."""
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -40,6 +40,8 @@ def load_model(model_config: ModelConfig, engine_config: EngineConfig, device: t
     "dummy", or the embedded default (path None), draws N(0, 0.02) weights from a generator
     seeded with ``engine_config.seed`` (norm weights 1), reproducible on a given device.
     Embeddings are tied when ``tie_word_embeddings`` is set or the checkpoint has no ``lm_head.weight``.
+    The checkpoint's q/k/v_proj and gate/up_proj fill their row blocks of the fused ``qkv_proj`` and
+    ``gate_up_proj`` (`checkpoint_tensors`).
     A rank reads only its slices of the split tensors (safetensors ``get_slice``); dummy weights are
     drawn whole, one tensor at a time, and sliced, so every tensor-parallel size gets the same model.
     An fp8 checkpoint's per-layer ``self_attn.k_scale``/``v_scale`` (or ``k_proj``/``v_proj.output_scale``)
@@ -50,7 +52,7 @@ def load_model(model_config: ModelConfig, engine_config: EngineConfig, device: t
     with torch.device("meta"):  # no throwaway initialisation: storage is filled below
         model = LlamaForCausalLM(model_config.shard(tp.world_size), dtype,
                                  select_backend(engine_config.attention_backend, device), tp)
-        full_shapes = {name: p.shape for name, p in LlamaForCausalLM(model_config, dtype).named_parameters()}
+        full_shapes = {name: t.shape for name, t in checkpoint_tensors(LlamaForCausalLM(model_config, dtype)).items()}
     model.to_empty(device=device)
     fmt = engine_config.load_format
     if fmt == "dummy" or model_config.path is None:
@@ -64,8 +66,39 @@ def load_model(model_config: ModelConfig, engine_config: EngineConfig, device: t
     return model.eval()
 
 
+# each fused projection of `LlamaForCausalLM` and the checkpoint's (HF) projections it stacks, in row order
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def checkpoint_tensors(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """Each checkpoint (HF) tensor name -> the tensor of ``model`` it fills, in the model's parameter order.
+
+    That is the parameter of the same name, except in the fused projections (`FUSED`): ``q_proj.weight``,
+    ``k_proj.weight`` and ``v_proj.weight`` are row blocks ``[num_heads * head_dim, hidden_size]``,
+    ``[num_kv_heads * head_dim, hidden_size]`` and ``[num_kv_heads * head_dim, hidden_size]`` of
+    ``qkv_proj.weight``; ``gate_proj.weight`` and ``up_proj.weight`` the halves ``[intermediate_size,
+    hidden_size]`` of ``gate_up_proj.weight``. They are views: copying into one fills the parameter.
+    The sizes are ``model.config``'s, so under tensor parallelism each block holds this rank's heads
+    or channels. A tied LM head is listed once, as the embedding.
+    """
+    c = model.config
+    q, kv, i = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size
+    rows = {"qkv_proj": [q, kv, kv], "gate_up_proj": [i, i]}
+    tensors = {}
+    for name, p in model.named_parameters():
+        module, _, leaf = name.rpartition(".")
+        parent, _, proj = module.rpartition(".")
+        if proj in FUSED:
+            for part, block in zip(FUSED[proj], p.split(rows[proj]), strict=True):
+                tensors[f"{parent}.{part}.{leaf}"] = block
+        else:
+            tensors[name] = p
+    return tensors
+
+
 def shard_of(name: str, config: ModelConfig, tp: TensorParallel) -> tuple[int, range] | None:
-    """(dimension, indices) of the full checkpoint tensor ``name`` that rank ``tp.rank`` holds; None: all of it.
+    """(dimension, indices) of the full checkpoint tensor ``name`` (an HF name) that rank ``tp.rank`` holds;
+    None: all of it.
 
     Column-parallel q/k/v/gate/up split their output rows, row-parallel o/down their input columns
     (Megatron-LM); everything else (embedding, LM head, norms) is replicated.
@@ -96,7 +129,7 @@ def _take(tensor, shard: tuple[int, range] | None):
 def _init_dummy(model: LlamaForCausalLM, seed: int, device: torch.device, full_shapes: dict,
                 config: ModelConfig, tp: TensorParallel) -> None:
     gen = torch.Generator(device=device).manual_seed(seed)
-    for name, p in model.named_parameters():  # shared (tied) parameters are listed once
+    for name, p in checkpoint_tensors(model).items():  # in the checkpoint's order, the tied LM head once
         if name.endswith("norm.weight"):
             p.fill_(1.0)
         else:  # the whole tensor, then this rank's slice: the same weights at every tensor-parallel size
@@ -107,7 +140,7 @@ def _init_dummy(model: LlamaForCausalLM, seed: int, device: torch.device, full_s
 @torch.no_grad()
 def _load_safetensors(model: LlamaForCausalLM, config: ModelConfig, full_shapes: dict, tp: TensorParallel) -> None:
     files = weight_files(config.path)
-    params = dict(model.named_parameters())
+    params = checkpoint_tensors(model)
     loaded: set[str] = set()
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:

@@ -4,8 +4,9 @@
  *
  * Why not tensor ops: a decode step is bound by reading the KV cache. Gathering K/V into a
  * contiguous tensor, then transposing it for a batched GEMM, moves every byte three times and
- * pays per-(sequence, head) GEMM overheads; here K/V are read in place. Two paths:
+ * pays per-(sequence, head) GEMM overheads; here K/V are read in place. Three paths:
  * - attend: one new token (decode), all heads, one pass over its context: scores, softmax, V.
+ * - attend_heads8: the same at head_dim 8, eight heads to a vector (one lane each).
  * - attend_tile: up to TILE_Q consecutive new tokens of a sequence (prefill, extend) together,
  *   with an online softmax (FlashAttention) over chunks of CHUNK keys: each K/V row is loaded
  *   once per tile instead of once per token, K is transposed per chunk so that scores are
@@ -305,6 +306,86 @@ static inline __attribute__((always_inline)) void attend_tile(
     }
 }
 
+/* Eight vectors' horizontal sums as one vector, lane i = sum of x[i]'s lanes: three rounds of
+ * interleave-and-add (14 shuffles, 7 adds) instead of eight separate reductions. */
+static inline __attribute__((always_inline)) f32x8 sum_each(const f32x8 x[8]) {
+#define PICK(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+    f32x8 p[4], r[2];
+    for (int i = 0; i < 4; i++)  /* p[i] = pairwise sums of x[2i], x[2i+1], interleaved */
+        p[i] = PICK(x[2 * i], x[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) + PICK(x[2 * i], x[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+    for (int i = 0; i < 2; i++)  /* r[i]: quarter sums of x[4i .. 4i+3] */
+        r[i] = PICK(p[2 * i], p[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) + PICK(p[2 * i], p[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return PICK(r[0], r[1], 0, 1, 2, 3, 8, 9, 10, 11) + PICK(r[0], r[1], 4, 5, 6, 7, 12, 13, 14, 15);
+#undef PICK
+}
+
+/* One new token at head_dim 8, eight heads per pass with one head per vector lane (num_heads a
+ * multiple of 8). At this size a head's K row is one vector: per-head loops pay a horizontal sum
+ * per (head, key), and the tile path a transposition of K per KV head, several times the
+ * arithmetic. Here each slot's K row gives the eight heads' scores with eight multiplies and one
+ * sum_each; the softmax runs across the eight heads at once; each V row is read once for all
+ * heads. q, out: [num_heads][8]; scores: [len][8]. */
+static void attend_heads8(
+        const float *restrict q, const void *k_cache, const void *v_cache, int kind, const float *lut,
+        const int32_t *table, int64_t len, int num_kv_heads, int group, int block_size, float qk_scale,
+        float v_scale, float *restrict scores, float *restrict row, float *restrict out) {
+    const int64_t token_stride = (int64_t)num_kv_heads * 8;
+    const int64_t block_bytes = block_size * token_stride * (kind == KV_F32 ? 4 : kind == KV_BF16 ? 2 : 1);
+    const int num_heads = num_kv_heads * group;
+    for (int h0 = 0; h0 < num_heads; h0 += 8) {
+        f32x8 qv[8], acc[8] = {{0}};
+        int at[8];  /* lane i's K/V offset within a slot's row: its KV head's */
+        for (int i = 0; i < 8; i++) {
+            qv[i] = *(const f32x8 *)(q + (h0 + i) * 8) * qk_scale;
+            at[i] = (h0 + i) / group * 8;
+        }
+        f32x8 m = {-1e30f, -1e30f, -1e30f, -1e30f, -1e30f, -1e30f, -1e30f, -1e30f};
+        for (int64_t first = 0; first < len; first += block_size) {  /* scores[t][i] = <q_i, k_t> */
+            const int64_t slot0 = (int64_t)table[first / block_size] * block_size;
+            if (first + block_size < len)
+                prefetch_block((const char *)k_cache + (int64_t)table[first / block_size + 1] * block_bytes, block_bytes);
+            const int n = len - first < block_size ? (int)(len - first) : block_size;
+            for (int j = 0; j < n; j++) {
+                const int64_t index = (slot0 + j) * token_stride;
+                const float *k = (const float *)k_cache + index;
+                if (kind != KV_F32) {
+                    load_row(kind, k_cache, index, (int)token_stride, lut, row);
+                    k = row;
+                }
+                f32x8 x[8];
+                for (int i = 0; i < 8; i++) x[i] = qv[i] * *(const f32x8 *)(k + at[i]);
+                const f32x8 s = sum_each(x);
+                *(f32x8 *)(scores + (first + j) * 8) = s;
+                for (int i = 0; i < 8; i++) m[i] = s[i] > m[i] ? s[i] : m[i];
+            }
+        }
+        float sum[8] = {0};
+        for (int64_t t = 0; t < len; t++)
+            for (int i = 0; i < 8; i++) {
+                const float e = exp_nonpositive(scores[t * 8 + i] - m[i]);
+                scores[t * 8 + i] = e;
+                sum[i] += e;
+            }
+        for (int64_t first = 0; first < len; first += block_size) {  /* acc_i += p[t][i] v_t */
+            const int64_t slot0 = (int64_t)table[first / block_size] * block_size;
+            if (first + block_size < len)
+                prefetch_block((const char *)v_cache + (int64_t)table[first / block_size + 1] * block_bytes, block_bytes);
+            const int n = len - first < block_size ? (int)(len - first) : block_size;
+            for (int j = 0; j < n; j++) {
+                const int64_t index = (slot0 + j) * token_stride;
+                const float *v = (const float *)v_cache + index;
+                if (kind != KV_F32) {
+                    load_row(kind, v_cache, index, (int)token_stride, lut, row);
+                    v = row;
+                }
+                const float *p = scores + (first + j) * 8;
+                for (int i = 0; i < 8; i++) acc[i] += p[i] * *(const f32x8 *)(v + at[i]);
+            }
+        }
+        for (int i = 0; i < 8; i++) *(f32x8 *)(out + (h0 + i) * 8) = acc[i] * (v_scale / sum[i]);
+    }
+}
+
 /* The arguments of one call; a thread computes the tiles from (first_seq, first_tile) up to, not
  * including, (last_seq, last_tile). */
 typedef struct {
@@ -327,11 +408,12 @@ static inline int64_t pairs(int64_t seq_len, int64_t q_len, int64_t j0, int64_t 
 }
 
 /* New tokens [j0, j1) of sequence s, all heads; first_len: the keys new token j0 sees. A lone new
- * token (decode) gains nothing from a tile's reuse of K/V and pays the per-chunk transposition of
- * K for only `group` rows, so it takes the per-token path unless head_dim is at most 4 x group
- * (measured on decode batches built as ops/bench_cpu_attention.py builds them, heads/KV heads/
- * head_dim: at 256 x 112 tokens the tile path is 1.2-1.3x faster at 8/4/8 and 4.4x at 8/1/8, but
- * 0.7x at 8/8/8 and 0.5x at 8/2/32; at 64 x 1024, 0.3x at 32/8/64). */
+ * token (decode) at head_dim 8 takes attend_heads8 when the heads fill vectors of eight (at 256 x
+ * 112 tokens, 8/4/8 heads/KV heads/head_dim: 5.9x the tile path; 8/8/8: 2.5x the per-token path;
+ * ops/bench_cpu_attention.py's batches). Otherwise a lone new token gains nothing from a tile's
+ * reuse of K/V and pays the per-chunk transposition of K for only `group` rows, so it takes the
+ * per-token path unless head_dim is at most 4 x group (there the tile path was 1.2-1.3x faster at
+ * 8/4/8 and 4.4x at 8/1/8, but 0.7x at 8/8/8 and 0.5x at 8/2/32; at 64 x 1024, 0.3x at 32/8/64). */
 static inline __attribute__((always_inline)) void attend_tokens(
         const Work *w, const Scratch *sc, float *scores, int64_t s, int64_t j0, int64_t j1, int64_t first_len,
         const int head_dim) {
@@ -339,7 +421,10 @@ static inline __attribute__((always_inline)) void attend_tokens(
     const int32_t *table = w->block_tables + s * w->table_stride;
     const int64_t at = (w->query_start_loc[s] + j0) * w->num_heads * head_dim;
     const float qk_scale = w->scale * w->k_scale;
-    if (j1 - j0 == 1 && head_dim > 4 * group) {
+    if (j1 - j0 == 1 && head_dim == 8 && w->num_heads % 8 == 0) {
+        attend_heads8(w->q + at, w->k_cache, w->v_cache, w->kv_kind, w->lut, table, first_len, w->num_kv_heads, group,
+                      w->block_size, qk_scale, w->v_scale, scores, sc->row, w->out + at);
+    } else if (j1 - j0 == 1 && head_dim > 4 * group) {
         const int64_t elem_bytes = w->kv_kind == KV_F32 ? 4 : w->kv_kind == KV_BF16 ? 2 : 1;
         attend(w->q + at, w->k_cache, w->v_cache, w->kv_kind, w->lut, elem_bytes, table, first_len, w->num_kv_heads,
                group, head_dim, w->block_size, qk_scale, w->v_scale, scores, sc->row, w->out + at);

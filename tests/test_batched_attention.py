@@ -159,7 +159,7 @@ TILED_CONTEXTS = [40, 0, 31, 5, 32, 100, 0]  # tokens before the new ones (chunk
 
 @pytest.mark.parametrize("pool", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("head_dim, num_heads, num_kv_heads, block_size", [
-    (8, 8, 4, 16),  # stories260K (its decode rows take the tile path too)
+    (8, 8, 4, 16),  # stories260K (its decode row takes the eight-heads-per-vector path)
     (64, 8, 2, 16),  # specialized, GQA groups of 4
     (128, 4, 4, 7),  # specialized, no grouping, blocks that do not divide a chunk
     (40, 6, 3, 16),  # generic, a multiple of 8
@@ -175,6 +175,25 @@ def test_fused_kernel_tiles_prefill_and_extend_rows_like_the_oracle(pool, head_d
     expected = reference.paged_attention(q, k_cache, v_cache, *rest, **scales)
     out = torch.full_like(q, float("nan"))  # a row the kernel skipped would stay NaN
     got = cpu_kernels.paged_attention(q, k_cache, v_cache, *rest, out=out, **scales)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("pool", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("num_heads, num_kv_heads, block_size", [
+    (8, 4, 16),  # stories260K: one pass of eight heads, two per KV head
+    (16, 2, 16),  # two passes, eight heads per KV head
+    (24, 24, 3),  # three passes, no grouping, blocks of 3
+    (4, 2, 16),  # fewer than eight heads: the tile path
+])
+def test_fused_decode_at_head_dim_8_equals_the_oracle(pool, num_heads, num_kv_heads, block_size):
+    # decode rows only: one key, a whole block, a block and one, long, and across the prefetched next block
+    seq_lens = [1, block_size, block_size + 1, 200, 2 * block_size + 3]
+    q, k_cache, v_cache, *rest = make_batch([1] * len(seq_lens), seq_lens, num_heads, num_kv_heads, 8, block_size,
+                                            torch.float32, seed=num_heads)
+    k_cache, v_cache = k_cache.to(pool), v_cache.to(pool)
+    scales = {"k_scale": 0.5, "v_scale": 3.0} if pool.itemsize == 1 else {}
+    expected = reference.paged_attention(q, k_cache, v_cache, *rest, **scales)
+    got = cpu_kernels.paged_attention(q, k_cache, v_cache, *rest, out=torch.full_like(q, float("nan")), **scales)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
 

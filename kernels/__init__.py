@@ -1,7 +1,7 @@
 """Paged-attention kernels: Triton on CUDA, a fused C kernel on CPU, batched PyTorch anywhere.
 
-A backend is a module exporting `paged_attention`, `write_kv_cache`, `copy_blocks` and
-`swap_blocks` (signatures and layouts in `kernels.reference`): `kernels.triton_kernels`,
+A backend is a module exporting `paged_attention`, `write_kv_cache`, `copy_blocks`,
+`swap_blocks`, `rms_norm` and `rotary_embedding` (signatures and layouts in `kernels.reference`): `kernels.triton_kernels`,
 `kernels.cpu_kernels` (fused in C up to 2,048 new tokens a sequence, longer prefill batched) or `kernels.torch_kernels` (the batched
 PyTorch attention alone; `kernels.reference.paged_attention`, the per-sequence loop, is the oracle
 tests compare every backend against). The worker picks one once, at

@@ -1,4 +1,4 @@
-"""The CPU backend: a fused C attention kernel, batched PyTorch for long prefills, the reference's cache ops.
+"""The CPU backend: fused C attention, C RMSNorm / RoPE / KV write, batched PyTorch for long prefills.
 
 Decode is bound by reading the KV cache, so decode rows (one new token) go to
 ``cpu_attention.c``, which reads each sequence's K/V in place through its block table. So do
@@ -7,13 +7,16 @@ up to 16 consecutive tokens that share each K/V read (an online softmax, FlashAt
 padding and no mask, each token stops at its own position. Longer prefill chunks stay on
 `reference.batched_paged_attention`'s gather + batched GEMMs (`ops/bench_cpu_attention.py` times
 both; with the tiles, C is also the faster at 2,048 tokens, 2.4-2.7x at head_dim 128).
+``cpu_ops.c`` holds a layer's small per-token operations (`rms_norm`, `rotary_embedding`,
+`write_kv_cache`): a few microseconds of arithmetic each, behind tens of microseconds of PyTorch
+per-op overhead on a small model; RoPE and the KV write are bit-identical to the reference's.
 
-The C file is compiled on first use with the system C compiler (``$CC``, else ``cc``) into
+The C files are compiled on first use with the system C compiler (``$CC``, else ``cc``) into
 ``$PAGEDKV_CACHE_DIR`` (default ``~/.cache/pagedkv``), keyed by a hash of the source, flags and CPU,
-and loaded with ctypes: about a second, once per machine. Without a compiler, or for a pool whose
-element type the kernel does not read (float16), or off the CPU, every row takes the batched
-PyTorch path instead: same results, slower; `fused_available` says which, and the worker
-logs it at start. Same signatures as `kernels.reference`.
+and loaded with ctypes: about a second each, once per machine. Without a compiler, or for a pool
+whose element type the kernels do not handle (float16), or for tensors not float32, or off the CPU,
+the reference's PyTorch code runs instead: same results, slower; `fused_available` says which, and
+the worker logs it at start. Same signatures as `kernels.reference`.
 """
 
 from __future__ import annotations
@@ -31,17 +34,19 @@ from pathlib import Path
 import torch
 
 from pagedkv.kernels import reference
-from pagedkv.kernels.reference import copy_blocks, swap_blocks, write_kv_cache
+from pagedkv.kernels.reference import copy_blocks, swap_blocks
 
 log = logging.getLogger("pagedkv.kernels")
 
-__all__ = ["paged_attention", "write_kv_cache", "copy_blocks", "swap_blocks", "fused_available"]
+__all__ = ["paged_attention", "write_kv_cache", "copy_blocks", "swap_blocks", "rms_norm", "rotary_embedding",
+           "fused_available"]
 
-_SOURCE = Path(__file__).with_name("cpu_attention.c")
-# -O3 vectorizes the per-element loops; -ffast-math lets the compiler reassociate the dot products
-# and use vector expf (results differ from the oracle by float rounding only, tested to 1e-5);
-# -march=native uses this CPU's vector width, so the build is keyed by the CPU (below).
-_FLAGS = ["-O3", "-ffast-math", "-march=native", "-fPIC", "-shared", "-std=c11", "-pthread"]
+# -O3 vectorizes the per-element loops; -march=native uses this CPU's vector width, so a build is
+# keyed by the CPU (below). For the attention, -ffast-math lets the compiler reassociate the dot
+# products (results differ from the oracle by float rounding only, tested to 1e-5); cpu_ops.c is
+# built without it, so that its results round as PyTorch's do.
+_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=c11", "-pthread"]
+_SOURCE_FLAGS = {"cpu_attention.c": ["-ffast-math"], "cpu_ops.c": []}
 # Sequences with up to this many new tokens run in C (the tiles beat the batched GEMMs at 2,048 on
 # every shape of ops/bench_cpu_attention.py: 2.4-15x); longer prefill chunks in batched GEMMs.
 # 2,048 is the default max_num_batched_tokens, so by default every prefill chunk runs in C.
@@ -52,13 +57,15 @@ _KINDS = {torch.float32: _F32, torch.bfloat16: _BF16, torch.float8_e4m3fn: _LUT8
 
 
 @cache
-def _library() -> ctypes.CDLL | None:
-    """The compiled kernel, building it on first use; None (logged once) when no C compiler could build it."""
-    source = _SOURCE.read_bytes()
+def _library(source_name: str = "cpu_attention.c") -> ctypes.CDLL | None:
+    """The compiled ``source_name``, built on first use; None (logged once) when no C compiler could build it."""
+    path = Path(__file__).with_name(source_name)
+    source = path.read_bytes()
     cc = os.environ.get("CC", "cc")
-    key = hashlib.sha256(source + " ".join([cc, *_FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
+    flags = _FLAGS + _SOURCE_FLAGS[source_name]
+    key = hashlib.sha256(source + " ".join([cc, *flags, _cpu_id()]).encode()).hexdigest()[:16]
     cache_dir = Path(os.environ.get("PAGEDKV_CACHE_DIR", Path.home() / ".cache" / "pagedkv"))
-    so = cache_dir / f"cpu_attention-{key}.so"
+    so = cache_dir / f"{path.stem}-{key}.so"
     if not so.exists():
         tmp = None
         try:
@@ -66,20 +73,28 @@ def _library() -> ctypes.CDLL | None:
             # build beside the target, then rename: workers starting together never load half a file
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
             os.close(fd)
-            subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True,
+            subprocess.run([cc, *flags, str(path), "-o", tmp, "-lm"], check=True, capture_output=True,
                            text=True, timeout=120)
             os.replace(tmp, so)
         except (OSError, subprocess.SubprocessError) as e:
             detail = e.stderr.strip().splitlines()[-1:] if isinstance(e, subprocess.CalledProcessError) else [str(e)]
-            log.warning("cannot build %s with %r: %s", _SOURCE.name, cc, " ".join(detail))
+            log.warning("cannot build %s with %r: %s", source_name, cc, " ".join(detail))
             if tmp is not None and os.path.exists(tmp):
                 os.unlink(tmp)
             return None
     lib = ctypes.CDLL(str(so))
-    fn = lib.paged_attention_fused
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    fn.argtypes = [p, p, p, i32, p, p, i64, p, p, i64, i32, i32, i32, i32, i32, i64, i64, f32, f32, f32, p, i32]
-    fn.restype = ctypes.c_int
+    signatures = {  # name: (argument types, result type)
+        "paged_attention_fused": ([p, p, p, i32, p, p, i64, p, p, i64, i32, i32, i32, i32, i32, i64, i64, f32, f32, f32,
+                                   p, i32], i32),
+        "rms_norm": ([p, i64, p, f32, i64, i32, p, i64], None),
+        "rotary_embedding": ([p, i64, i32, p, i64, i32, i32, p, p, i64], None),
+        "write_kv_cache": ([p, i64, p, i64, p, p, i32, p, i64, i32, i64], i32),
+    }
+    for name, (argtypes, restype) in signatures.items():
+        if hasattr(lib, name):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, restype
     return lib
 
 
@@ -165,3 +180,72 @@ def paged_attention(
     if out32 is not out:
         out.copy_(out32)
     return out
+
+
+def _rows(x: torch.Tensor) -> bool:
+    """Whether x (``[num_tokens, ...]``, float32, on the CPU, not empty) has each token's row contiguous,
+    whatever the stride between rows (a slice of a wider tensor qualifies): what cpu_ops.c reads."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() >= 2 and x.numel() > 0
+            and x[0].is_contiguous() and x.stride(0) >= x[0].numel())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`reference.rms_norm` (same arguments and result), in C for float32 on the CPU.
+
+    x: ``[num_tokens, hidden_size]``, rows contiguous (a slice qualifies); weight ``[hidden_size]``.
+    The sum of squares is taken in another order than PyTorch's: results differ by float rounding.
+    """
+    lib = _library("cpu_ops.c")
+    if lib is None or x.dim() != 2 or not _rows(x) or weight.dtype != torch.float32 or not weight.is_contiguous():
+        return reference.rms_norm(x, weight, eps)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    lib.rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), eps, x.shape[0], x.shape[1], out.data_ptr(),
+                 out.stride(0))
+    return out
+
+
+def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference.rotary_embedding`, bit-identical, in C for float32 on the CPU: q and k are rotated IN PLACE
+    and returned.
+
+    q: ``[num_tokens, num_heads, head_dim]``, k: ``[num_tokens, num_kv_heads, head_dim]``, each token's
+    row contiguous (slices of one fused QKV output qualify); cos, sin: ``[num_tokens, head_dim // 2]``.
+    """
+    lib = _library("cpu_ops.c")
+    if (lib is None or not (_rows(q) and _rows(k) and _rows(cos) and _rows(sin))
+            or not (cos.is_contiguous() and sin.is_contiguous()) or q.shape[0] != cos.shape[0]):
+        return reference.rotary_embedding(q, k, cos, sin)
+    lib.rotary_embedding(q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0), k.shape[1], q.shape[2],
+                         cos.data_ptr(), sin.data_ptr(), q.shape[0])
+    return q, k
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """`reference.write_kv_cache` (same arguments, bit-identical), in C for float32 K/V into a float32 or
+    bfloat16 CPU pool; fp8 pools (quantized with the scales) take the reference.
+
+    key, value: ``[num_tokens, num_kv_heads, head_dim]``, each token's row contiguous; slot_mapping
+    ``[num_tokens]`` int64, -1 = skip. Raises IndexError, writing nothing, for a slot outside the pool.
+    """
+    lib = _library("cpu_ops.c")
+    if (lib is None or k_cache.dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != k_cache.dtype
+            or not (_rows(key) and _rows(value)) or k_cache.device.type != "cpu"
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+        reference.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        return
+    slots = slot_mapping.to(torch.int64).contiguous()
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    rc = lib.write_kv_cache(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), k_cache.data_ptr(),
+                            v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16), slots.data_ptr(), key.shape[0],
+                            key[0].numel(), num_slots)
+    if rc != 0:
+        raise IndexError(f"slot_mapping names a slot outside the pool's {num_slots}")

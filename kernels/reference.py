@@ -211,6 +211,35 @@ def write_kv_cache(
     v_cache.view(-1, num_kv_heads, head_dim)[slots] = v
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Root-mean-square norm (Zhang & Sennrich 2019) over the last dimension, in float32 like HF's LlamaRMSNorm.
+
+    x: ``[num_tokens, hidden_size]`` of the model's dtype; weight: ``[hidden_size]``. Returns a new
+    tensor of x's shape: ``weight * (x / sqrt(mean(x^2) + eps))``, the norm computed in float32.
+    """
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary position embedding (Su et al. 2021, RoFormer, section 3.4.2) of q and k; returns new tensors.
+
+    q: ``[num_tokens, num_heads, head_dim]``, k: ``[num_tokens, num_kv_heads, head_dim]``; cos, sin:
+    ``[num_tokens, head_dim // 2]`` float32, each token's angles. HF's rotate_half layout: dimension
+    i pairs with i + head_dim/2. Computed in float32, returned in q's and k's dtype.
+    """
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
 def copy_blocks(
     k_caches: list[torch.Tensor],
     v_caches: list[torch.Tensor],

@@ -120,14 +120,15 @@ def test_scales_come_from_the_first_prefill_not_from_profiling(stories260k):
     r.profile_run()
     assert r.model.kv_scales == [(None, None)] * 5  # the profile's dummy tokens calibrated nothing
     # the first prefill's K of layer 0, recomputed by hand: amax x 2 / 448
-    from pagedkv.worker.model import apply_rope, rope_inv_freq
+    from pagedkv.kernels.reference import rotary_embedding
+    from pagedkv.worker.model import rope_inv_freq
 
     attn = r.model.model.layers[0].self_attn
     with torch.no_grad():
         x = r.model.model.layers[0].input_layernorm(r.model.model.embed_tokens(torch.tensor(GOLDEN_PROMPT_IDS)))
         freqs = torch.arange(5).float()[:, None] * rope_inv_freq(r.model_config)[None, :]
-        _, k, v = attn.qkv_proj(x).split([64, 32, 32], dim=-1)  # stories260K: 8 heads, 4 KV heads, head_dim 8
-        k = apply_rope(k.reshape(5, 4, 8), freqs.cos(), freqs.sin())
+        q, k, v = attn.qkv_proj(x).split([64, 32, 32], dim=-1)  # stories260K: 8 heads, 4 KV heads, head_dim 8
+        _, k = rotary_embedding(q.reshape(5, 8, 8), k.reshape(5, 4, 8), freqs.cos(), freqs.sin())
     assert prefill(r, GOLDEN_PROMPT_IDS) == GOLDEN_OUTPUT_IDS[0]
     k_scale, v_scale = r.model.kv_scales[0]
     assert k_scale == pytest.approx(float(k.abs().max()) * 2 / 448, rel=1e-6)

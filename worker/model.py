@@ -72,29 +72,17 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return torch.where(medium, (1 - smooth) * inv / factor + smooth * inv, scaled)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[num_tokens, heads, head_dim]`` by ``cos``/``sin`` ``[num_tokens, head_dim // 2]``.
-
-    HF rotate_half layout: dimension i pairs with i + head_dim/2. Computed in float32, returned in x's dtype.
-    """
-    xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-
-
 class RMSNorm(nn.Module):
-    """Root-mean-square norm (Zhang & Sennrich 2019), in float32 like HF's LlamaRMSNorm."""
+    """Root-mean-square norm (Zhang & Sennrich 2019) with a learned weight, by ``kernels.rms_norm``."""
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, kernels: ModuleType = reference):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
         self.eps = eps
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.kernels.rms_norm(x, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
@@ -126,8 +114,8 @@ class LlamaAttention(nn.Module):
     def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache):
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)  # views, rows strided
-        q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = self.kernels.rotary_embedding(q.view(n, self.num_heads, self.head_dim),
+                                             k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         ks = vs = 1.0
         if fp8.is_fp8(k_cache.dtype):
@@ -169,8 +157,8 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(config, dtype, kernels, tp)
         self.mlp = LlamaMLP(config, dtype, tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, kernels)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, kernels)
 
     def forward(self, x, cos, sin, meta, k_cache, v_cache):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)
@@ -186,7 +174,7 @@ class LlamaModel(nn.Module):
                                          _weight=torch.empty(config.vocab_size, config.hidden_size, dtype=dtype))
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, kernels, tp)
                                     for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, kernels)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,0 +1,109 @@
+"""The CPU backend's C layer ops (`kernels/cpu_ops.c`) against the PyTorch reference.
+
+RoPE and the KV write must be bit-identical to `kernels.reference` (the C file is built without
+-ffast-math for that); RMSNorm sums its squares in another order, so it is held to float rounding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedkv.kernels import cpu_kernels, reference
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _ops_build():
+    """On CI the C file must build: a missing compiler would silently test the reference against itself."""
+    assert cpu_kernels._library("cpu_ops.c") is not None, "cpu_ops.c did not build (is a C compiler installed?)"
+
+
+def qkv(num_tokens, num_heads=8, num_kv_heads=4, head_dim=8, seed=0):
+    """q, k, v as slices of one fused projection's output (rows wider than each), as the model makes them."""
+    gen = torch.Generator().manual_seed(seed)
+    fused = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+    q, k, v = fused.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    return (q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim),
+            v.view(num_tokens, num_kv_heads, head_dim))
+
+
+def angles(num_tokens, head_dim, seed=1):
+    positions = torch.randint(0, 4096, (num_tokens,), generator=torch.Generator().manual_seed(seed)).float()
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = positions[:, None] * inv_freq[None, :]
+    return freqs.cos(), freqs.sin()
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(8, 4, 8), (32, 8, 128), (6, 2, 6)])
+def test_rotary_embedding_is_bit_identical_to_the_reference_on_slices_of_a_fused_projection(
+        num_heads, num_kv_heads, head_dim):
+    q, k, _ = qkv(37, num_heads, num_kv_heads, head_dim)
+    cos, sin = angles(37, head_dim)
+    want_q, want_k = reference.rotary_embedding(q.clone(), k.clone(), cos, sin)
+    got_q, got_k = cpu_kernels.rotary_embedding(q, k, cos, sin)
+    assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()  # in place, in the fused rows
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+
+def test_rotary_embedding_of_other_dtypes_takes_the_reference():
+    q, k, _ = qkv(5)
+    cos, sin = angles(5, 8)
+    q16, k16 = q.to(torch.bfloat16), k.to(torch.bfloat16)
+    got_q, got_k = cpu_kernels.rotary_embedding(q16, k16, cos, sin)
+    want_q, want_k = reference.rotary_embedding(q16, k16, cos, sin)
+    assert got_q.dtype == torch.bfloat16 and torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+
+@pytest.mark.parametrize("hidden_size", [64, 4096, 13])  # stories260K, Llama-3.1-8B, not a multiple of 8
+def test_rms_norm_equals_the_reference_to_float_rounding(hidden_size):
+    gen = torch.Generator().manual_seed(hidden_size)
+    x = torch.randn(19, hidden_size, generator=gen) * 3
+    weight = torch.randn(hidden_size, generator=gen)
+    got = cpu_kernels.rms_norm(x, weight, 1e-5)
+    torch.testing.assert_close(got, reference.rms_norm(x, weight, 1e-5), atol=1e-6, rtol=1e-5)
+    assert got.data_ptr() != x.data_ptr()  # a new tensor, like the reference's
+    rows = torch.randn(19, 2 * hidden_size, generator=gen)[:, :hidden_size]  # rows of a wider tensor
+    torch.testing.assert_close(cpu_kernels.rms_norm(rows, weight, 1e-5), reference.rms_norm(rows, weight, 1e-5),
+                               atol=1e-6, rtol=1e-5)
+    assert cpu_kernels.rms_norm(x[:0], weight, 1e-5).shape == (0, hidden_size)  # a step that samples no row
+
+
+def pools(dtype, num_blocks=6, block_size=4, num_kv_heads=4, head_dim=8):
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return torch.full(shape, 7.0).to(dtype), torch.full(shape, -7.0).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_cache_is_bit_identical_to_the_reference(dtype):
+    _, k, v = qkv(6)
+    k[0, 0, 0], k[1, 0, 0], v[2, 1, 3] = float("nan"), float("inf"), 1.00390625  # NaN, inf, a bf16 tie (1 + 2^-8)
+    k[3, 2, 1] = 1.01171875  # a tie that rounds up to even (1 + 3 x 2^-8)
+    slots = torch.tensor([3, -1, 0, 23, 12, 5])  # -1: padding, skipped; 23: the pool's last slot
+    want_k, want_v = pools(dtype)
+    reference.write_kv_cache(k, v, want_k, want_v, slots)
+    got_k, got_v = pools(dtype)
+    cpu_kernels.write_kv_cache(k, v, got_k, got_v, slots)
+    torch.testing.assert_close(got_k, want_k, rtol=0, atol=0, equal_nan=True)  # exact; NaN stays NaN
+    assert torch.equal(got_v, want_v)
+    assert torch.equal(got_k.view(-1, 4, 8)[1], torch.full((4, 8), 7.0).to(dtype))  # untouched slot
+
+
+def test_write_kv_cache_refuses_a_slot_outside_the_pool_and_writes_nothing():
+    _, k, v = qkv(3)
+    k_cache, v_cache = pools(torch.float32)
+    with pytest.raises(IndexError, match="outside the pool's 24"):
+        cpu_kernels.write_kv_cache(k, v, k_cache, v_cache, torch.tensor([0, 1, 24]))
+    with pytest.raises(IndexError):
+        cpu_kernels.write_kv_cache(k, v, k_cache, v_cache, torch.tensor([0, -2, 1]))
+    assert torch.equal(k_cache, pools(torch.float32)[0]) and torch.equal(v_cache, pools(torch.float32)[1])
+
+
+def test_write_kv_cache_into_an_fp8_pool_quantizes_like_the_reference():
+    _, k, v = qkv(4)
+    slots = torch.tensor([0, 9, -1, 2])
+    want_k, want_v = pools(torch.float8_e4m3fn)
+    reference.write_kv_cache(k, v, want_k, want_v, slots, 0.5, 0.25)
+    got_k, got_v = pools(torch.float8_e4m3fn)
+    cpu_kernels.write_kv_cache(k, v, got_k, got_v, slots, 0.5, 0.25)
+    assert torch.equal(got_k.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(got_v.view(torch.uint8), want_v.view(torch.uint8))

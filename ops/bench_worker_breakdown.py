@@ -68,9 +68,11 @@ def _instrument(runner, acc: dict) -> None:
         ref.batched_paged_attention = timed("attention: batched torch", ref.batched_paged_attention)
     for layer in runner.model.model.layers:
         if kernels is not None:
+            parts = {"paged_attention": "attention", "write_kv_cache": "write_kv_cache",
+                     "rotary_embedding": "rotary_embedding (RoPE)"}  # older trees: RoPE in "rest of forward"
             layer.self_attn.kernels = type("Timed", (), {
-                "paged_attention": staticmethod(timed("attention", kernels.paged_attention)),
-                "write_kv_cache": staticmethod(timed("write_kv_cache", kernels.write_kv_cache))})
+                fn: staticmethod(timed(label, getattr(kernels, fn))) for fn, label in parts.items()
+                if hasattr(kernels, fn)})
         layer.mlp.forward = timed("mlp (gate, up, silu x up, down)", layer.mlp.forward)
         for p in ("qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj"):  # separate q/k/v in older trees
             if hasattr(layer.self_attn, p):
@@ -84,8 +86,9 @@ def _instrument(runner, acc: dict) -> None:
 
 def _report(acc: dict, steps: int) -> None:
     parts = {k: v for k, v in acc.items() if k not in ("execute", "forward")}
-    top = ("attention", "write_kv_cache", "mlp (gate, up, silu x up, down)", "q/k/v/o projections", "rmsnorm", "lm_head")
-    parts["rest of forward (embedding, RoPE, residual adds)"] = acc["forward"] - sum(acc[k] for k in top)
+    top = ("attention", "write_kv_cache", "rotary_embedding (RoPE)", "mlp (gate, up, silu x up, down)",
+           "q/k/v/o projections", "rmsnorm", "lm_head")
+    parts["rest of forward (embedding, residual adds, cos/sin)"] = acc["forward"] - sum(acc[k] for k in top)
     parts["outside forward (inputs, sampling)"] = acc["execute"] - acc["forward"]
     print(f"  execute {1000 * acc['execute'] / steps:.2f} ms CPU per step")
     for name, v in sorted(parts.items(), key=lambda kv: -kv[1]):

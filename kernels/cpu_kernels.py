@@ -46,7 +46,7 @@ __all__ = ["paged_attention", "write_kv_cache", "copy_blocks", "swap_blocks", "r
 # products (results differ from the oracle by float rounding only, tested to 1e-5); cpu_ops.c is
 # built without it, so that its results round as PyTorch's do.
 _FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=c11", "-pthread"]
-_SOURCE_FLAGS = {"cpu_attention.c": ["-ffast-math"], "cpu_ops.c": []}
+_SOURCE_FLAGS = {"cpu_attention.c": ["-ffast-math"], "cpu_ops.c": ["-fno-math-errno"]}  # sqrtf inline
 # Sequences with up to this many new tokens run in C (the tiles beat the batched GEMMs at 2,048 on
 # every shape of ops/bench_cpu_attention.py: 2.4-15x); longer prefill chunks in batched GEMMs.
 # 2,048 is the default max_num_batched_tokens, so by default every prefill chunk runs in C.
@@ -184,9 +184,17 @@ def paged_attention(
 
 def _rows(x: torch.Tensor) -> bool:
     """Whether x (``[num_tokens, ...]``, float32, on the CPU, not empty) has each token's row contiguous,
-    whatever the stride between rows (a slice of a wider tensor qualifies): what cpu_ops.c reads."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() >= 2 and x.numel() > 0
-            and x[0].is_contiguous() and x.stride(0) >= x[0].numel())
+    whatever the stride between rows (a slice of a wider tensor qualifies): what cpu_ops.c reads.
+    Plain stride arithmetic: this runs several times per layer per step."""
+    shape, strides = x.shape, x.stride()
+    if x.dtype != torch.float32 or not x.is_cpu or len(shape) < 2 or shape[0] == 0:
+        return False
+    row = 1
+    for size, stride in zip(reversed(shape[1:]), reversed(strides[1:])):
+        if stride != row and size != 1:
+            return False
+        row *= size
+    return strides[0] >= row
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -198,7 +206,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     lib = _library("cpu_ops.c")
     if lib is None or x.dim() != 2 or not _rows(x) or weight.dtype != torch.float32 or not weight.is_contiguous():
         return reference.rms_norm(x, weight, eps)
-    out = torch.empty(x.shape, dtype=x.dtype)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
     lib.rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), eps, x.shape[0], x.shape[1], out.data_ptr(),
                  out.stride(0))
     return out
@@ -213,8 +221,9 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     row contiguous (slices of one fused QKV output qualify); cos, sin: ``[num_tokens, head_dim // 2]``.
     """
     lib = _library("cpu_ops.c")
-    if (lib is None or not (_rows(q) and _rows(k) and _rows(cos) and _rows(sin))
-            or not (cos.is_contiguous() and sin.is_contiguous()) or q.shape[0] != cos.shape[0]):
+    if (lib is None or not (_rows(q) and _rows(k)) or not (cos.is_contiguous() and sin.is_contiguous())
+            or cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.shape != sin.shape
+            or cos.shape != (q.shape[0], q.shape[2] // 2) or k.shape[::2] != q.shape[::2]):
         return reference.rotary_embedding(q, k, cos, sin)
     lib.rotary_embedding(q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0), k.shape[1], q.shape[2],
                          cos.data_ptr(), sin.data_ptr(), q.shape[0])
@@ -238,14 +247,14 @@ def write_kv_cache(
     """
     lib = _library("cpu_ops.c")
     if (lib is None or k_cache.dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != k_cache.dtype
-            or not (_rows(key) and _rows(value)) or k_cache.device.type != "cpu"
-            or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+            or not (_rows(key) and _rows(value)) or not k_cache.is_cpu or key.shape[1:] != k_cache.shape[2:]
+            or value.shape != key.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
         reference.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
     slots = slot_mapping.to(torch.int64).contiguous()
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     rc = lib.write_kv_cache(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), k_cache.data_ptr(),
                             v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16), slots.data_ptr(), key.shape[0],
-                            key[0].numel(), num_slots)
+                            k_cache.shape[2] * k_cache.shape[3], num_slots)
     if rc != 0:
         raise IndexError(f"slot_mapping names a slot outside the pool's {num_slots}")

@@ -17,11 +17,11 @@
 
 /* out[t] = weight * (x[t] / sqrt(mean(x[t]^2) + eps)) for num_tokens rows of `size` elements
  * (Zhang & Sennrich 2019; HF's LlamaRMSNorm in float32). out may be x. */
-void rms_norm(const float *x, int64_t x_stride, const float *weight, float eps, int64_t num_tokens, int size,
-              float *out, int64_t out_stride) {
+void rms_norm(const float *restrict x, int64_t x_stride, const float *restrict weight, float eps, int64_t num_tokens,
+              int size, float *restrict out, int64_t out_stride) {
     for (int64_t t = 0; t < num_tokens; t++) {
-        const float *xt = x + t * x_stride;
-        float *ot = out + t * out_stride;
+        const float *restrict xt = x + t * x_stride;
+        float *restrict ot = out + t * out_stride;
         float partial[8] = {0};  /* eight running sums, as a vectorized reduction keeps them */
         int i = 0;
         for (; i + 8 <= size; i += 8)
@@ -38,25 +38,36 @@ void rms_norm(const float *x, int64_t x_stride, const float *weight, float eps, 
  * ([num_tokens, num_kv_heads, head_dim], rows k_stride apart) by token t's angles: cos and sin are
  * [num_tokens, head_dim / 2]. HF's rotate_half pairing: element i with element i + head_dim / 2
  * (Su et al. 2021, RoFormer, section 3.4.2). */
-void rotary_embedding(float *q, int64_t q_stride, int num_heads, float *k, int64_t k_stride, int num_kv_heads,
-                      int head_dim, const float *cos, const float *sin, int64_t num_tokens) {
+static inline __attribute__((always_inline)) void rotate(float *restrict row, int heads, const int head_dim,
+                                                        const float *restrict c, const float *restrict s) {
     const int half = head_dim / 2;
-    for (int64_t t = 0; t < num_tokens; t++) {
-        const float *c = cos + t * half, *s = sin + t * half;
-        for (int which = 0; which < 2; which++) {
-            float *row = which == 0 ? q + t * q_stride : k + t * k_stride;
-            const int heads = which == 0 ? num_heads : num_kv_heads;
-            for (int h = 0; h < heads; h++) {
-                float *x1 = row + h * head_dim, *x2 = x1 + half;
-                for (int i = 0; i < half; i++) {
-                    const float a = x1[i], b = x2[i];
-                    x1[i] = a * c[i] - b * s[i];
-                    x2[i] = b * c[i] + a * s[i];
-                }
-            }
+    for (int h = 0; h < heads; h++) {
+        float *restrict x1 = row + h * head_dim, *restrict x2 = x1 + half;
+        for (int i = 0; i < half; i++) {
+            const float a = x1[i], b = x2[i];
+            x1[i] = a * c[i] - b * s[i];
+            x2[i] = b * c[i] + a * s[i];
         }
     }
 }
+
+/* head_dim known at compile time for the common sizes: the inner loop becomes straight vector code */
+#define ROTATE_ALL(D)                                                                                  \
+    for (int64_t t = 0; t < num_tokens; t++) {                                                        \
+        rotate(q + t * q_stride, num_heads, D, cos + t * (D / 2), sin + t * (D / 2));                  \
+        rotate(k + t * k_stride, num_kv_heads, D, cos + t * (D / 2), sin + t * (D / 2));               \
+    }
+
+void rotary_embedding(float *q, int64_t q_stride, int num_heads, float *k, int64_t k_stride, int num_kv_heads,
+                      int head_dim, const float *cos, const float *sin, int64_t num_tokens) {
+    switch (head_dim) {
+        case 8: ROTATE_ALL(8) break;
+        case 64: ROTATE_ALL(64) break;
+        case 128: ROTATE_ALL(128) break;
+        default: ROTATE_ALL(head_dim)
+    }
+}
+#undef ROTATE_ALL
 
 /* float32 to bfloat16 as PyTorch rounds it: to nearest, ties to even; NaN stays a (quiet) NaN. */
 static inline uint16_t to_bf16(float x) {

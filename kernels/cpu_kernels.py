@@ -204,7 +204,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     The sum of squares is taken in another order than PyTorch's: results differ by float rounding.
     """
     lib = _library("cpu_ops.c")
-    if lib is None or x.dim() != 2 or not _rows(x) or weight.dtype != torch.float32 or not weight.is_contiguous():
+    if (lib is None or x.dim() != 2 or not _rows(x) or weight.dtype != torch.float32 or not weight.is_contiguous()
+            or weight.shape != x.shape[1:]):
         return reference.rms_norm(x, weight, eps)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     lib.rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), eps, x.shape[0], x.shape[1], out.data_ptr(),
@@ -248,7 +249,8 @@ def write_kv_cache(
     lib = _library("cpu_ops.c")
     if (lib is None or k_cache.dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != k_cache.dtype
             or not (_rows(key) and _rows(value)) or not k_cache.is_cpu or key.shape[1:] != k_cache.shape[2:]
-            or value.shape != key.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+            or value.shape != key.shape or slot_mapping.shape != key.shape[:1]
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
         reference.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
     slots = slot_mapping.to(torch.int64).contiguous()

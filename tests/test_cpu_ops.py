@@ -107,3 +107,13 @@ def test_write_kv_cache_into_an_fp8_pool_quantizes_like_the_reference():
     cpu_kernels.write_kv_cache(k, v, got_k, got_v, slots, 0.5, 0.25)
     assert torch.equal(got_k.view(torch.uint8), want_k.view(torch.uint8))
     assert torch.equal(got_v.view(torch.uint8), want_v.view(torch.uint8))
+
+
+def test_mismatched_shapes_fail_as_in_the_reference_without_reading_past_a_tensor():
+    _, k, v = qkv(3)
+    k_cache, v_cache = pools(torch.float32)
+    with pytest.raises(IndexError, match="shape of the mask"):  # two slots for three tokens: the reference refuses
+        cpu_kernels.write_kv_cache(k, v, k_cache, v_cache, torch.tensor([0, 1]))
+    x, weight = torch.randn(4, 64), torch.randn(32)
+    with pytest.raises(RuntimeError):  # a weight of another size: the reference's broadcast fails
+        cpu_kernels.rms_norm(x, weight, 1e-5)

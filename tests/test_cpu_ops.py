@@ -117,3 +117,24 @@ def test_mismatched_shapes_fail_as_in_the_reference_without_reading_past_a_tenso
     x, weight = torch.randn(4, 64), torch.randn(32)
     with pytest.raises(RuntimeError):  # a weight of another size: the reference's broadcast fails
         cpu_kernels.rms_norm(x, weight, 1e-5)
+
+
+def test_without_a_c_compiler_the_layer_ops_take_the_reference(monkeypatch, tmp_path):
+    q, k, v = qkv(4)
+    cos, sin = angles(4, 8)
+    x, weight = torch.randn(4, 64), torch.randn(64)
+    with monkeypatch.context() as m:
+        m.setenv("CC", str(tmp_path / "no-such-compiler"))
+        m.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "cache"))  # nothing built there yet
+        cpu_kernels._library.cache_clear()
+        assert cpu_kernels._library("cpu_ops.c") is None
+        assert torch.equal(cpu_kernels.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5))
+        got_q, got_k = cpu_kernels.rotary_embedding(q, k, cos, sin)
+        want_q, want_k = reference.rotary_embedding(q, k, cos, sin)
+        assert got_q.data_ptr() != q.data_ptr()  # the reference's new tensors, not C's in-place rotation
+        assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+        got_k_cache, got_v_cache = pools(torch.float32)
+        cpu_kernels.write_kv_cache(k, v, got_k_cache, got_v_cache, torch.tensor([0, 5, -1, 9]))
+        assert torch.equal(got_k_cache.view(-1, 4, 8)[5], k[1]) and torch.equal(got_v_cache.view(-1, 4, 8)[9], v[3])
+    cpu_kernels._library.cache_clear()
+    assert cpu_kernels._library("cpu_ops.c") is not None  # the real compiler builds (or finds) it again

@@ -52,6 +52,26 @@ static inline void prefetch_block(const char *p, int64_t block_bytes) {
     for (int64_t off = 0; off < block_bytes; off += 64) __builtin_prefetch(p + off);
 }
 
+/* The keys [first, first + n) of a sequence that lie in its block first / block_size, whose first
+ * slot goes to *slot0; prefetches the sequence's next block (within len) of the same pool. */
+static inline __attribute__((always_inline)) int block_keys(const int32_t *table, int64_t first, int64_t len,
+                                                           int block_size, const void *cache, int64_t block_bytes,
+                                                           int64_t *slot0) {
+    *slot0 = (int64_t)table[first / block_size] * block_size;
+    if (first + block_size < len)
+        prefetch_block((const char *)cache + (int64_t)table[first / block_size + 1] * block_bytes, block_bytes);
+    return len - first < block_size ? (int)(len - first) : block_size;
+}
+
+/* A slot's K or V row (n elements from element `index` of the pool) as float32: in place for a
+ * float32 pool, else converted into `row`. */
+static inline __attribute__((always_inline)) const float *kv_row(int kind, const void *cache, int64_t index, int n,
+                                                                const float *lut, float *row) {
+    if (kind == KV_F32) return (const float *)cache + index;
+    load_row(kind, cache, index, n, lut, row);
+    return row;
+}
+
 /* One new token of a sequence, all heads: each slot's K (then V) row is read once, in address order
  * within a block, for every head at once. q, out: [num_heads, head_dim]; scores: [num_heads, len]. */
 static inline __attribute__((always_inline)) void attend(
@@ -63,18 +83,10 @@ static inline __attribute__((always_inline)) void attend(
     const int64_t block_bytes = block_size * token_stride * elem_bytes;
     const int num_heads = num_kv_heads * group;
     /* scores[h][t] = qk_scale * <q_h, k_t>, block by block: the block table is read once per block */
-    for (int64_t first = 0; first < len; first += block_size) {
-        const int64_t slot0 = (int64_t)table[first / block_size] * block_size;
-        if (first + block_size < len)
-            prefetch_block((const char *)k_cache + (int64_t)table[first / block_size + 1] * block_bytes, block_bytes);
-        const int n = len - first < block_size ? (int)(len - first) : block_size;
+    for (int64_t first = 0, slot0; first < len; first += block_size) {
+        const int n = block_keys(table, first, len, block_size, k_cache, block_bytes, &slot0);
         for (int j = 0; j < n; j++) {
-            const int64_t index = (slot0 + j) * token_stride;
-            const float *k = (const float *)k_cache + index;
-            if (kind != KV_F32) {
-                load_row(kind, k_cache, index, (int)token_stride, lut, row);
-                k = row;
-            }
+            const float *k = kv_row(kind, k_cache, (slot0 + j) * token_stride, (int)token_stride, lut, row);
             for (int kvh = 0, h = 0; kvh < num_kv_heads; kvh++) {
                 const float *restrict kh = k + (int64_t)kvh * head_dim;
                 for (int g = 0; g < group; g++, h++) {
@@ -98,18 +110,10 @@ static inline __attribute__((always_inline)) void attend(
     }
     /* out_h = sum_t p[h][t] * v_t, accumulated in place */
     memset(out, 0, sizeof(float) * (size_t)num_heads * (size_t)head_dim);
-    for (int64_t first = 0; first < len; first += block_size) {
-        const int64_t slot0 = (int64_t)table[first / block_size] * block_size;
-        if (first + block_size < len)
-            prefetch_block((const char *)v_cache + (int64_t)table[first / block_size + 1] * block_bytes, block_bytes);
-        const int n = len - first < block_size ? (int)(len - first) : block_size;
+    for (int64_t first = 0, slot0; first < len; first += block_size) {
+        const int n = block_keys(table, first, len, block_size, v_cache, block_bytes, &slot0);
         for (int j = 0; j < n; j++) {
-            const int64_t index = (slot0 + j) * token_stride;
-            const float *v = (const float *)v_cache + index;
-            if (kind != KV_F32) {
-                load_row(kind, v_cache, index, (int)token_stride, lut, row);
-                v = row;
-            }
+            const float *v = kv_row(kind, v_cache, (slot0 + j) * token_stride, (int)token_stride, lut, row);
             for (int kvh = 0, h = 0; kvh < num_kv_heads; kvh++) {
                 const float *restrict vh = v + (int64_t)kvh * head_dim;
                 for (int g = 0; g < group; g++, h++) {
@@ -340,18 +344,10 @@ static void attend_heads8(
             at[i] = (h0 + i) / group * 8;
         }
         f32x8 m = {-1e30f, -1e30f, -1e30f, -1e30f, -1e30f, -1e30f, -1e30f, -1e30f};
-        for (int64_t first = 0; first < len; first += block_size) {  /* scores[t][i] = <q_i, k_t> */
-            const int64_t slot0 = (int64_t)table[first / block_size] * block_size;
-            if (first + block_size < len)
-                prefetch_block((const char *)k_cache + (int64_t)table[first / block_size + 1] * block_bytes, block_bytes);
-            const int n = len - first < block_size ? (int)(len - first) : block_size;
+        for (int64_t first = 0, slot0; first < len; first += block_size) {  /* scores[t][i] = <q_i, k_t> */
+            const int n = block_keys(table, first, len, block_size, k_cache, block_bytes, &slot0);
             for (int j = 0; j < n; j++) {
-                const int64_t index = (slot0 + j) * token_stride;
-                const float *k = (const float *)k_cache + index;
-                if (kind != KV_F32) {
-                    load_row(kind, k_cache, index, (int)token_stride, lut, row);
-                    k = row;
-                }
+                const float *k = kv_row(kind, k_cache, (slot0 + j) * token_stride, (int)token_stride, lut, row);
                 f32x8 x[8];
                 for (int i = 0; i < 8; i++) x[i] = qv[i] * *(const f32x8 *)(k + at[i]);
                 const f32x8 s = sum_each(x);
@@ -366,18 +362,10 @@ static void attend_heads8(
                 scores[t * 8 + i] = e;
                 sum[i] += e;
             }
-        for (int64_t first = 0; first < len; first += block_size) {  /* acc_i += p[t][i] v_t */
-            const int64_t slot0 = (int64_t)table[first / block_size] * block_size;
-            if (first + block_size < len)
-                prefetch_block((const char *)v_cache + (int64_t)table[first / block_size + 1] * block_bytes, block_bytes);
-            const int n = len - first < block_size ? (int)(len - first) : block_size;
+        for (int64_t first = 0, slot0; first < len; first += block_size) {  /* acc_i += p[t][i] v_t */
+            const int n = block_keys(table, first, len, block_size, v_cache, block_bytes, &slot0);
             for (int j = 0; j < n; j++) {
-                const int64_t index = (slot0 + j) * token_stride;
-                const float *v = (const float *)v_cache + index;
-                if (kind != KV_F32) {
-                    load_row(kind, v_cache, index, (int)token_stride, lut, row);
-                    v = row;
-                }
+                const float *v = kv_row(kind, v_cache, (slot0 + j) * token_stride, (int)token_stride, lut, row);
                 const float *p = scores + (first + j) * 8;
                 for (int i = 0; i < 8; i++) acc[i] += p[i] * *(const f32x8 *)(v + at[i]);
             }

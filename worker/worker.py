@@ -119,9 +119,12 @@ def load(msg: LoadModel, rank: int = 0, world_size: int = 1, init_method: str | 
         if kernels.fused_available(runner.kv_dtype):
             log.info("attention: cpu backend, fused in C up to %d new tokens a sequence (%s KV cache)",
                      kernels.FUSED_MAX_QUERY_LEN, str(runner.kv_dtype).removeprefix("torch."))
+        elif not kernels.fused_available():
+            log.warning("attention, RMSNorm, RoPE and the KV write run in PyTorch (slower): no C compiler could "
+                        "build the CPU kernels (set CC)")
         else:
-            log.warning("attention: runs on the batched PyTorch path (slower): no C compiler (set CC) "
-                        "or a %s KV cache the fused kernel does not read", str(runner.kv_dtype).removeprefix("torch."))
+            log.warning("attention: runs on the batched PyTorch path (slower): the fused kernel does not read a %s "
+                        "KV cache", str(runner.kv_dtype).removeprefix("torch."))
     else:
         log.info("attention: %s backend", kernels.__name__.rsplit(".", 1)[-1].removesuffix("_kernels"))
     if device.type == "cuda":

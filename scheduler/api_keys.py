@@ -70,6 +70,8 @@ class APIKeys:
         for key in allowed:  # compare with every key, in constant time each: no early exit to time
             match |= hmac.compare_digest(given, key)
         if not match:
+            if admin_route and any(hmac.compare_digest(given, key) for key in self._keys):
+                raise PermissionError("Incorrect API key provided: /kv_cache takes an admin key (--admin-api-key).")
             raise PermissionError("Incorrect API key provided.")
         return fingerprint(given.decode())
 

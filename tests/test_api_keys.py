@@ -86,7 +86,12 @@ async def test_health_and_metrics_stay_open(keyed):
 
 
 async def test_kv_cache_needs_the_admin_key_and_hashes_request_ids(keyed):
-    assert (await keyed.get("/kv_cache", headers=bearer(ALICE))).status == 401
+    refused = await keyed.get("/kv_cache", headers=bearer(ALICE))  # a user key: valid elsewhere, not here
+    assert refused.status == 401
+    assert (await refused.json())["error"]["message"] == ("Incorrect API key provided: /kv_cache takes an admin key "
+                                                          "(--admin-api-key).")
+    assert (await (await keyed.get("/kv_cache", headers=bearer("sk-mallory"))).json())["error"]["message"] == (
+        "Incorrect API key provided.")
     resp = await keyed.post("/v1/completions", headers=bearer(ALICE),
                             json={**GREEDY_60, "max_tokens": 400, "ignore_eos": True, "stream": True})
     request_id = json.loads((await resp.content.readuntil(b"\n\n"))[len(b"data: "):])["id"]

@@ -220,7 +220,8 @@ async def test_with_api_keys_the_page_asks_for_the_key_keeps_it_for_the_tab_and_
         await enter_key(page, "sk-alice")  # a key, but not the admin key /kv_cache takes
         await page.wait_for(f"{form_shown} && {status}.startsWith('the API key was refused')")
         assert await page.evaluate(status) == ("the API key was refused (/kv_cache: HTTP 401: Incorrect API key "
-                                               "provided.); enter it to watch the pool")
+                                               "provided: /kv_cache takes an admin key (--admin-api-key).); "
+                                               "enter it to watch the pool")
         assert await page.evaluate("sessionStorage.getItem('pagedkv-api-key')") is None
 
         await enter_key(page, "sk-admin")

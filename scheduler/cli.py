@@ -86,20 +86,22 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _check_checkpoint(path: str, load_format: str, chat_template: str | None) -> tuple[ModelConfig, str | None]:
+def _check_checkpoint(path: str, load_format: str, chat_template: str | None,
+                      flag: str = "--model") -> tuple[ModelConfig, str | None]:
     """Read what the control plane needs and check what the worker will: config.json, the
     weights (unless dummy), tokenizer.json, the chat template. Returns the model config and the
-    template text. Raises ValueError or FileNotFoundError naming the file or flag."""
+    template text. Raises ValueError or FileNotFoundError naming the file or flag (``flag``: how the
+    path was given, ``--model`` or the positional ``MODEL``)."""
     from pagedkv.common.config import ModelConfig, weight_files
     from pagedkv.scheduler.tokenizer import Tokenizer, load_chat_template
 
     if path is not None:
         if not os.path.exists(path):
-            raise FileNotFoundError(f"--model {path}: no such directory")
+            raise FileNotFoundError(f"{flag} {path}: no such directory")
         if not os.path.isdir(path):
-            raise ValueError(f"--model {path}: not a directory (give the Hugging Face checkpoint directory)")
+            raise ValueError(f"{flag} {path}: not a directory (give the Hugging Face checkpoint directory)")
         if not os.path.isfile(os.path.join(path, "config.json")):
-            raise FileNotFoundError(f"--model {path}: not a Hugging Face checkpoint directory (no config.json)")
+            raise FileNotFoundError(f"{flag} {path}: not a Hugging Face checkpoint directory (no config.json)")
     model = ModelConfig.load(path)
     if path is not None and load_format == "auto":
         weight_files(model.path)
@@ -240,7 +242,8 @@ def _engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         parser.error(f"the model is given twice: {positional!r} and --model {args.model!r}")
     path = positional or args.model or None  # `--model=` (`--model=${MODEL:-}` in compose): the embedded model
     try:
-        model, template = _check_checkpoint(path, args.load_format, args.chat_template)
+        model, template = _check_checkpoint(path, args.load_format, args.chat_template,
+                                            "MODEL" if positional is not None else "--model")
         resolve_max_model_len(model, args.max_model_len)
     except (ValueError, FileNotFoundError) as e:
         if args.log_level == "debug":

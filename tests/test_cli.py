@@ -281,7 +281,7 @@ def _bad_checkpoint(tmp_path: Path, stories260k: Path, kind: str) -> Path:
 
 
 @pytest.mark.parametrize("kind,message", [
-    ("missing", "pagedkv serve: error: --model {d}: no such directory"),
+    ("missing", "pagedkv serve: error: MODEL {d}: no such directory"),
     ("no_weights", "pagedkv serve: error: {d}: no *.safetensors weights (use --load-format dummy for random weights)"),
     ("bad_json", "pagedkv serve: error: {d}/config.json: invalid JSON: Expecting property name enclosed in double "
                  "quotes: line 1 column 20 (char 19)"),
@@ -295,6 +295,13 @@ def test_a_bad_checkpoint_is_one_line_naming_the_problem_before_any_worker(tmp_p
         main(["serve", str(d), "--port", "0"])  # the positional MODEL, as `vllm serve MODEL`
     assert e.value.code == 2
     assert capsys.readouterr().err == message.format(d=d) + "\n"  # one line, no traceback, no worker
+
+
+def test_a_missing_checkpoint_given_by_flag_names_the_flag(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--model", str(tmp_path / "missing"), "--port", "0"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == f"pagedkv serve: error: --model {tmp_path / 'missing'}: no such directory\n"
 
 
 def test_a_bad_chat_template_is_one_line_naming_the_flag(stories260k, capsys):

@@ -331,10 +331,10 @@ static inline __attribute__((always_inline)) f32x8 sum_each(const f32x8 x[8]) {
  * heads. q, out: [num_heads][8]; scores: [len][8]. */
 static void attend_heads8(
         const float *restrict q, const void *k_cache, const void *v_cache, int kind, const float *lut,
-        const int32_t *table, int64_t len, int num_kv_heads, int group, int block_size, float qk_scale,
-        float v_scale, float *restrict scores, float *restrict row, float *restrict out) {
+        int64_t elem_bytes, const int32_t *table, int64_t len, int num_kv_heads, int group, int block_size,
+        float qk_scale, float v_scale, float *restrict scores, float *restrict row, float *restrict out) {
     const int64_t token_stride = (int64_t)num_kv_heads * 8;
-    const int64_t block_bytes = block_size * token_stride * (kind == KV_F32 ? 4 : kind == KV_BF16 ? 2 : 1);
+    const int64_t block_bytes = block_size * token_stride * elem_bytes;
     const int num_heads = num_kv_heads * group;
     for (int h0 = 0; h0 < num_heads; h0 += 8) {
         f32x8 qv[8], acc[8] = {{0}};
@@ -409,11 +409,11 @@ static inline __attribute__((always_inline)) void attend_tokens(
     const int32_t *table = w->block_tables + s * w->table_stride;
     const int64_t at = (w->query_start_loc[s] + j0) * w->num_heads * head_dim;
     const float qk_scale = w->scale * w->k_scale;
+    const int64_t elem_bytes = w->kv_kind == KV_F32 ? 4 : w->kv_kind == KV_BF16 ? 2 : 1;
     if (j1 - j0 == 1 && head_dim == 8 && w->num_heads % 8 == 0) {
-        attend_heads8(w->q + at, w->k_cache, w->v_cache, w->kv_kind, w->lut, table, first_len, w->num_kv_heads, group,
-                      w->block_size, qk_scale, w->v_scale, scores, sc->row, w->out + at);
+        attend_heads8(w->q + at, w->k_cache, w->v_cache, w->kv_kind, w->lut, elem_bytes, table, first_len,
+                      w->num_kv_heads, group, w->block_size, qk_scale, w->v_scale, scores, sc->row, w->out + at);
     } else if (j1 - j0 == 1 && head_dim > 4 * group) {
-        const int64_t elem_bytes = w->kv_kind == KV_F32 ? 4 : w->kv_kind == KV_BF16 ? 2 : 1;
         attend(w->q + at, w->k_cache, w->v_cache, w->kv_kind, w->lut, elem_bytes, table, first_len, w->num_kv_heads,
                group, head_dim, w->block_size, qk_scale, w->v_scale, scores, sc->row, w->out + at);
     } else {

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -278,8 +279,9 @@ def _check_json(value: Any, path: str = "", depth: int = 0) -> None:
         except UnicodeEncodeError:
             raise APIError(400, f"{path}: is not valid Unicode (lone UTF-16 surrogate)", path) from None
     elif isinstance(value, int) and not isinstance(value, bool):
-        if not _INT64_MIN <= value <= _INT64_MAX:
-            raise APIError(400, f"{path}: integer {value:.4g} is outside the 64-bit signed range", path)
+        if not _INT64_MIN <= value <= _INT64_MAX:  # written out unless very long (floats overflow at 309 digits)
+            shown = str(value) if value.bit_length() <= 128 else f"of {len(str(abs(value)))} digits"
+            raise APIError(400, f"{path}: integer {shown} is outside the 64-bit signed range", path)
     elif isinstance(value, list):
         for i, item in enumerate(value):
             _check_json(item, f"{path}[{i}]", depth + 1)
@@ -306,6 +308,8 @@ async def _decode_body(request: web.Request, cls: type[msgspec.Struct]):
         obj = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"request body is not valid JSON: {e}") from None
+    except ValueError:  # Python's guard against quadratic-time int parsing (sys.get_int_max_str_digits)
+        raise APIError(400, f"request body: an integer longer than {sys.get_int_max_str_digits()} digits") from None
     except RecursionError:
         raise APIError(400, f"request body: JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
     _check_json(obj)

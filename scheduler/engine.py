@@ -566,7 +566,8 @@ class Engine:
             if first:
                 stream.first_token_time = now
                 self.metrics.on_admitted(req.num_prompt_tokens, req.num_cached_tokens)
-            self.metrics.on_token(first, now - stream.last_token_time)
+            if not stream.prompt_only:  # its one sampled token is dropped (echo, max_tokens 0): no output
+                self.metrics.on_token(first, now - stream.last_token_time)
             stream.last_token_time = now
             if (status := self.output.process(stream, req, sampled)) is not None:
                 self._close(stream, status)

@@ -67,6 +67,8 @@ POISON = [  # (id, path, raw body, param named by the 400)
     ("model-lone-surrogate", "/v1/completions", with_field("model", '"\\udfff"'), "model"),
     ("user-lone-surrogate", "/v1/completions", with_field("user", '"\\ud83d"'), "user"),
     ("priority-huge", "/v1/completions", with_field("priority", "1" + "0" * 30), "priority"),
+    ("seed-400-digits", "/v1/completions", with_field("seed", "9" * 400), "seed"),  # past float's range
+    ("seed-5000-digits", "/v1/completions", with_field("seed", "9" * 5000), None),  # past Python's int parsing
     ("priority-int64-overflow", "/v1/completions", with_field("priority", str(-(2**63) - 1)), "priority"),
     ("seed-above-uint64", "/v1/completions", with_field("seed", str(2**64)), "seed"),
     ("stop-token-id-huge", "/v1/completions", with_field("stop_token_ids", f"[{2**64}]"), "stop_token_ids[0]"),
@@ -94,6 +96,12 @@ async def test_poison_request_gets_400_naming_the_field(http, path, body, param)
     assert error["param"] == param and error["type"] == "invalid_request_error"
     if param is not None:
         assert error["message"].startswith(f"{param}: ")
+
+
+@pytest.mark.parametrize("raw, shown", [(str(2**63), f"integer {2**63} is"), ("9" * 400, "integer of 400 digits is")])
+async def test_out_of_range_integer_is_written_out_in_the_error(http, raw, shown):
+    error = (await (await post_raw(http, "/v1/completions", with_field("seed", raw))).json())["error"]
+    assert error["message"] == f"seed: {shown} outside the 64-bit signed range"
 
 
 async def test_server_still_serves_the_golden_after_every_poison(http):

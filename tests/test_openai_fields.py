@@ -18,7 +18,7 @@ import structlog
 import structlog.testing
 import pytest_asyncio
 from aiohttp.test_utils import TestServer
-from conftest import GOLDEN_COMPLETION, GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT, GOLDEN_PROMPT_IDS
+from conftest import GOLDEN_COMPLETION, GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT, GOLDEN_PROMPT_IDS, metric
 
 from pagedkv.common.config import EngineConfig
 from pagedkv.scheduler.api import build_app
@@ -235,7 +235,10 @@ async def test_echo_with_max_tokens_0_scores_the_prompt(client, engine):
     prompt = GOLDEN_PROMPT_IDS + GOLDEN_OUTPUT_IDS[:10]
     gen = await client.completions.create(model="tiny", prompt=GOLDEN_PROMPT_IDS, max_tokens=10, temperature=0,
                                           logprobs=0)
+    generated = metric(engine, "pagedkv:generation_tokens_total", model_name="tiny")
+    assert generated >= 10  # the labels are right: the request above counted
     out = await client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=2)
+    assert metric(engine, "pagedkv:generation_tokens_total", model_name="tiny") == generated  # none is output
     c = out.choices[0]
     tok = engine.tokenizer
     assert c.text == tok.decode(prompt) and c.finish_reason == "length"

@@ -1,12 +1,13 @@
 """Paged-attention kernels: Triton on CUDA, a fused C kernel on CPU, batched PyTorch anywhere.
 
-A backend is a module exporting `paged_attention`, `write_kv_cache`, `copy_blocks`,
-`swap_blocks`, `rms_norm` and `rotary_embedding` (signatures and layouts in `kernels.reference`): `kernels.triton_kernels`,
-`kernels.cpu_kernels` (fused in C up to 2,048 new tokens a sequence, longer prefill batched) or `kernels.torch_kernels` (the batched
-PyTorch attention alone; `kernels.reference.paged_attention`, the per-sequence loop, is the oracle
-tests compare every backend against). The worker picks one once, at
-model load, with `select_backend` (from ``--attention-backend``, else by device) and passes it
-down to the model and the cache engine; nothing is decided per call. On CPU, Triton kernels run
+A backend is a module exporting `paged_attention`, `write_kv_cache`, `copy_blocks`, `swap_blocks`,
+`rms_norm`, `rotary_embedding` and `silu_and_mul` (signatures and layouts in `kernels.reference`):
+`kernels.triton_kernels`, `kernels.cpu_kernels` (fused in C up to 2,048 new tokens a sequence, longer
+prefill batched) or `kernels.torch_kernels` (the batched PyTorch attention alone;
+`kernels.reference.paged_attention`, the per-sequence loop, is the oracle tests compare every backend
+against). The worker picks one once, at model load, with `select_backend` (from
+``--attention-backend``, else by device) and passes it down to the model and the cache engine;
+nothing is decided per call. On CPU, Triton kernels run
 only under ``TRITON_INTERPRET=1`` (how CI tests them).
 """
 

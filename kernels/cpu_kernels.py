@@ -8,8 +8,8 @@ padding and no mask, each token stops at its own position. Longer prefill chunks
 `reference.batched_paged_attention`'s gather + batched GEMMs (`ops/bench_cpu_attention.py` times
 both; with the tiles, C is also the faster at 2,048 tokens, 2.4-2.7x at head_dim 128).
 ``cpu_ops.c`` holds a layer's small per-token operations (`rms_norm`, `rotary_embedding`,
-`write_kv_cache`): a few microseconds of arithmetic each, behind tens of microseconds of PyTorch
-per-op overhead on a small model; RoPE and the KV write are bit-identical to the reference's.
+`write_kv_cache`, `silu_and_mul`): a few microseconds of arithmetic each, behind tens of microseconds
+of PyTorch per-op overhead on a small model; RoPE and the KV write are bit-identical to the reference's.
 
 The C files are compiled on first use with the system C compiler (``$CC``, else ``cc``) into
 ``$PAGEDKV_CACHE_DIR`` (default ``~/.cache/pagedkv``), keyed by a hash of the source, flags and CPU,
@@ -39,7 +39,7 @@ from pagedkv.kernels.reference import copy_blocks, swap_blocks
 log = logging.getLogger("pagedkv.kernels")
 
 __all__ = ["paged_attention", "write_kv_cache", "copy_blocks", "swap_blocks", "rms_norm", "rotary_embedding",
-           "fused_available"]
+           "silu_and_mul", "fused_available"]
 
 # -O3 vectorizes the per-element loops; -march=native uses this CPU's vector width, so a build is
 # keyed by the CPU (below). For the attention, -ffast-math lets the compiler reassociate the dot
@@ -90,6 +90,7 @@ def _library(source_name: str = "cpu_attention.c") -> ctypes.CDLL | None:
         "rms_norm": ([p, i64, p, f32, i64, i32, p, i64], None),
         "rotary_embedding": ([p, i64, i32, p, i64, i32, i32, p, p, i64], None),
         "write_kv_cache": ([p, i64, p, i64, p, p, i32, p, i64, i32, i64], i32),
+        "silu_and_mul": ([p, i64, i64, i32, p, i64], None),
     }
     for name, (argtypes, restype) in signatures.items():
         if hasattr(lib, name):
@@ -210,6 +211,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     lib.rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), eps, x.shape[0], x.shape[1], out.data_ptr(),
                  out.stride(0))
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """`reference.silu_and_mul` (same argument and result), in C for float32 on the CPU: one pass over x.
+
+    x: ``[num_tokens, 2 * intermediate_size]``, rows contiguous. Its e^x is a polynomial: results
+    differ from PyTorch's silu by float rounding.
+    """
+    lib = _library("cpu_ops.c")
+    if lib is None or x.dim() != 2 or not _rows(x) or x.shape[1] % 2:
+        return reference.silu_and_mul(x)
+    out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype)
+    lib.silu_and_mul(x.data_ptr(), x.stride(0), x.shape[0], out.shape[1], out.data_ptr(), out.stride(0))
     return out
 
 

@@ -1,11 +1,15 @@
-/* A decoder layer's small per-token operations for CPUs: RMSNorm, rotary embedding (RoPE) and the
- * KV-cache write. Built and loaded by kernels/cpu_kernels.py like cpu_attention.c, but without
- * -ffast-math: in plain ISO C (-std=c11, so no contraction into fused multiply-adds) each result
- * is rounded as PyTorch's own float32 ops round it, so RoPE and the KV write are bit-identical to
- * kernels/reference.py and RMSNorm differs only in the order of its sum of squares.
+/* A decoder layer's small per-token operations for CPUs: RMSNorm, rotary embedding (RoPE), the
+ * KV-cache write and SwiGLU's activation (silu_and_mul). Built and loaded by kernels/cpu_kernels.py
+ * like cpu_attention.c, but without -ffast-math: in plain ISO C (-std=c11, so no contraction into
+ * fused multiply-adds) each result is rounded as PyTorch's own float32 ops round it, so RoPE and the
+ * KV write are bit-identical to kernels/reference.py; RMSNorm differs only in the order of its sum
+ * of squares, and silu_and_mul's e^x is a polynomial (relative error ~1e-7): float rounding.
  *
  * Why C: on a small model each of these is a few microseconds of arithmetic behind 5-60 us of
  * PyTorch per-op overhead (RoPE alone is eight tensor ops per Q or K), paid once per layer per step.
+ * silu_and_mul reads the gate/up projection once and writes its result once, where PyTorch's silu
+ * and multiply write and re-read a [num_tokens, intermediate_size] temporary: on a prefill chunk
+ * those are megabytes, past the L2 cache.
  *
  * Layouts (float32 unless said): rows of tokens with a given stride in elements (a row may be a
  * slice of a wider tensor, e.g. a fused QKV projection's output); within a row, heads x head_dim
@@ -99,4 +103,57 @@ int write_kv_cache(const float *key, int64_t key_stride, const float *value, int
         }
     }
     return 0;
+}
+
+/* Eight floats (or int32) as one value (GCC and Clang vector extensions: one AVX register, two SSE
+ * or NEON ones), loadable from any float address. */
+typedef float f32x8 __attribute__((vector_size(32), aligned(4), may_alias));
+typedef int32_t i32x8 __attribute__((vector_size(32), aligned(4), may_alias));
+
+/* Lane-wise mask ? a : b (C has no vector ?:) */
+static inline f32x8 select8(i32x8 mask, f32x8 a, f32x8 b) {
+    return (f32x8)(((i32x8)a & mask) | ((i32x8)b & ~mask));
+}
+
+/* e^x for x <= 0, lane-wise: 2^n e^f with n = round(x log2 e), |f| <= ln2 / 2, e^f by its degree-7
+ * Taylor polynomial (error < 1e-8), 2^n written into the exponent bits; x is clamped at -87 so
+ * that 2^n stays a normal float (e^-87 ~ 1.6e-38). */
+static inline f32x8 exp_nonpositive8(f32x8 x) {
+    const f32x8 lowest = x * 0.0f - 87.0f;
+    x = select8(x > lowest, x, lowest);
+    const i32x8 n = __builtin_convertvector(x * 1.44269504f - 0.5f, i32x8);  /* truncation: rounds x <= 0 */
+    const f32x8 f = x - __builtin_convertvector(n, f32x8) * 0.693147181f;
+    const f32x8 p = 1.0f + f * (1.0f + f * (0.5f + f * (1.0f / 6 + f * (1.0f / 24 + f * (1.0f / 120
+                  + f * (1.0f / 720 + f * (1.0f / 5040)))))));
+    return p * (f32x8)((n + 127) << 23);
+}
+
+/* silu(g) = g / (1 + e^-g), from e = e^-|g| <= 1 so that nothing overflows: 1 / (1 + e) for g > 0,
+ * e / (1 + e) otherwise. */
+static inline f32x8 silu8(f32x8 g) {
+    const i32x8 positive = g > 0.0f;
+    const f32x8 e = exp_nonpositive8(select8(positive, -g, g));
+    const f32x8 r = 1.0f / (1.0f + e);
+    return g * select8(positive, r, e * r);
+}
+
+/* SwiGLU's activation (Shazeer 2020): out[t][i] = silu(x[t][i]) * x[t][size + i], for rows t of x
+ * ([num_tokens][2 * size], rows x_stride apart: the fused gate/up projection's output, gate first)
+ * into out ([num_tokens][size], rows out_stride apart). */
+void silu_and_mul(const float *restrict x, int64_t x_stride, int64_t num_tokens, int size, float *restrict out,
+                  int64_t out_stride) {
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const float *restrict gate = x + t * x_stride, *restrict up = gate + size;
+        float *restrict o = out + t * out_stride;
+        int i = 0;
+        for (; i + 8 <= size; i += 8)
+            *(f32x8 *)(o + i) = silu8(*(const f32x8 *)(gate + i)) * *(const f32x8 *)(up + i);
+        if (i < size) {  /* the row's last size % 8 elements, through a zero-padded vector */
+            f32x8 g = {0}, u = {0};
+            memcpy(&g, gate + i, sizeof(float) * (size_t)(size - i));
+            memcpy(&u, up + i, sizeof(float) * (size_t)(size - i));
+            const f32x8 r = silu8(g) * u;
+            memcpy(o + i, &r, sizeof(float) * (size_t)(size - i));
+        }
+    }
 }

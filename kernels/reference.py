@@ -13,6 +13,7 @@ block ``block_table[t // block_size]`` at offset ``t % block_size``; its slot is
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from pagedkv.kernels import fp8
 
@@ -220,6 +221,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation (Shazeer 2020): ``silu(gate) * up`` for x = [gate | up].
+
+    x: ``[num_tokens, 2 * intermediate_size]``, the fused gate/up projection's output (gate first).
+    Returns a new ``[num_tokens, intermediate_size]`` tensor of x's dtype.
+    """
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,

@@ -1,7 +1,8 @@
 """The CPU backend's C layer ops (`kernels/cpu_ops.c`) against the PyTorch reference.
 
 RoPE and the KV write must be bit-identical to `kernels.reference` (the C file is built without
--ffast-math for that); RMSNorm sums its squares in another order, so it is held to float rounding.
+-ffast-math for that); RMSNorm sums its squares in another order and silu_and_mul takes e^x from a
+polynomial, so those are held to float rounding.
 """
 
 from __future__ import annotations
@@ -129,6 +130,7 @@ def test_without_a_c_compiler_the_layer_ops_take_the_reference(monkeypatch, tmp_
         cpu_kernels._library.cache_clear()
         assert cpu_kernels._library("cpu_ops.c") is None
         assert torch.equal(cpu_kernels.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5))
+        assert torch.equal(cpu_kernels.silu_and_mul(x), reference.silu_and_mul(x))
         got_q, got_k = cpu_kernels.rotary_embedding(q, k, cos, sin)
         want_q, want_k = reference.rotary_embedding(q, k, cos, sin)
         assert got_q.data_ptr() != q.data_ptr()  # the reference's new tensors, not C's in-place rotation
@@ -138,3 +140,25 @@ def test_without_a_c_compiler_the_layer_ops_take_the_reference(monkeypatch, tmp_
         assert torch.equal(got_k_cache.view(-1, 4, 8)[5], k[1]) and torch.equal(got_v_cache.view(-1, 4, 8)[9], v[3])
     cpu_kernels._library.cache_clear()
     assert cpu_kernels._library("cpu_ops.c") is not None  # the real compiler builds (or finds) it again
+
+
+@pytest.mark.parametrize("intermediate_size", [172, 13, 8])  # stories260K, not a multiple of 8, one vector
+def test_silu_and_mul_equals_the_reference_to_float_rounding(intermediate_size):
+    gen = torch.Generator().manual_seed(intermediate_size)
+    x = torch.randn(23, 2 * intermediate_size, generator=gen) * 4
+    x[0, :6] = torch.tensor([0.0, -0.0, 100.0, -100.0, 88.0, -88.0])  # zero, and past e^x's clamp both ways
+    got = cpu_kernels.silu_and_mul(x)
+    want = reference.silu_and_mul(x)
+    assert got.shape == (23, intermediate_size)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    assert got[0, 2] == 100.0 * x[0, intermediate_size + 2]  # silu(100) = 100
+    assert abs(got[0, 3]) < 1e-30  # silu(-100) ~ -4e-42
+    rows = torch.randn(23, 4 * intermediate_size, generator=gen)[:, :2 * intermediate_size]  # rows of a wider tensor
+    torch.testing.assert_close(cpu_kernels.silu_and_mul(rows), reference.silu_and_mul(rows), atol=1e-6, rtol=1e-5)
+    assert cpu_kernels.silu_and_mul(x[:0]).shape == (0, intermediate_size)
+
+
+def test_silu_and_mul_of_other_dtypes_takes_the_reference():
+    x = torch.randn(5, 16).to(torch.bfloat16)
+    got = cpu_kernels.silu_and_mul(x)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, reference.silu_and_mul(x))

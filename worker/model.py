@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.common.config import ModelConfig
@@ -139,8 +138,10 @@ class LlamaMLP(nn.Module):
     Under tensor parallelism gate/up are column-parallel, down row-parallel, followed by one all-reduce.
     """
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel = TensorParallel()):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, kernels: ModuleType = reference,
+                 tp: TensorParallel = TensorParallel()):
         super().__init__()
+        self.kernels = kernels
         self.tp = tp
         h, i = config.hidden_size, config.intermediate_size
         self.gate_up_proj = nn.Linear(h, 2 * i, bias=False, dtype=dtype)
@@ -148,15 +149,14 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: ``[num_tokens, hidden_size]`` -> ``[num_tokens, hidden_size]``."""
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
+        return self.tp.all_reduce(self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x))))
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, kernels: ModuleType, tp: TensorParallel):
         super().__init__()
         self.self_attn = LlamaAttention(config, dtype, kernels, tp)
-        self.mlp = LlamaMLP(config, dtype, tp)
+        self.mlp = LlamaMLP(config, dtype, kernels, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, kernels)
 

@@ -323,7 +323,10 @@ async def run_against_url(url: str, requests: list[BenchRequest], vocab_size: in
 
     url = url.rstrip("/")
     pagedkv = api == "pagedkv"
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+    # limit=0: every request of the trace may be open at once (aiohttp's default pool holds 100
+    # connections and would queue the rest client-side, capping the server's concurrency)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
         async with session.get(f"{url}/v1/models") as r:
             card = (await r.json())["data"][0]
         model, max_model_len = card["id"], card.get("max_model_len")

@@ -24,7 +24,9 @@ from pagedkv.kernels import cpu_kernels, reference
 
 # (sequences, context, heads, kv heads, head_dim): stories260K, a Llama-3.2-1B-like layer, Llama-3.1-8B's
 SHAPES = [(256, 112, 8, 4, 8), (64, 1024, 32, 8, 64), (16, 4096, 32, 8, 128)]
-PREFILL = [(8, 128, 32, 8, 128), (1, 512, 32, 8, 128), (1, 1024, 32, 8, 64), (1, 2048, 32, 8, 128), (1, 2048, 8, 4, 8)]
+# prefill: whole prompts of `context` tokens; 19 x 108 is a stories260K prefill step of the conv trace
+PREFILL = [(8, 128, 32, 8, 128), (1, 512, 32, 8, 128), (1, 1024, 32, 8, 64), (1, 2048, 32, 8, 128), (1, 2048, 8, 4, 8),
+           (19, 108, 8, 4, 8)]
 
 
 def inputs(num_seqs, context, num_heads, num_kv_heads, head_dim, block_size=16, prefill=False):

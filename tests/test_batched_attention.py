@@ -197,6 +197,26 @@ def test_fused_decode_at_head_dim_8_equals_the_oracle(pool, num_heads, num_kv_he
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("pool", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads, num_kv_heads, block_size", [
+    (8, 4, 16),  # stories260K: GQA groups of 2
+    (8, 8, 5),  # no grouping; blocks that do not divide a chunk of keys
+    (16, 2, 16),  # two passes of eight heads, groups of 8
+    (16, 8, 7),  # two passes, groups of 2, blocks of 7
+])
+def test_fused_prefill_and_extend_at_head_dim_8_equal_the_oracle(pool, num_heads, num_kv_heads, block_size):
+    # every q_len from 1 to 40 (one to three tiles, crossing chunks of keys), after contexts of 0 to 36
+    # tokens, most not a multiple of block_size (extend): the eight-heads-per-vector tile path
+    q_lens = list(range(1, 41))
+    seq_lens = [q + (7 * q) % 37 for q in q_lens]
+    q, k_cache, v_cache, *rest = make_batch(q_lens, seq_lens, num_heads, num_kv_heads, 8, block_size,
+                                            torch.float32, seed=num_heads + block_size)
+    k_cache, v_cache = k_cache.to(pool), v_cache.to(pool)
+    expected = reference.paged_attention(q, k_cache, v_cache, *rest)
+    got = cpu_kernels.paged_attention(q, k_cache, v_cache, *rest, out=torch.full_like(q, float("nan")))
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
 def test_fused_kernel_gives_the_same_bits_on_any_number_of_threads():
     # one 600-token prompt holds most of the work: its tiles spread over the threads
     q_lens, seq_lens = [1, 600, 1, 37, 0, 1], [70, 650, 3, 37, 5, 200]

@@ -12,6 +12,8 @@ import sys
 
 import structlog
 
+_format = "console"  # the format configure_logging last set: spawned workers log the same way
+
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
            "error": logging.ERROR, "critical": logging.CRITICAL}
 
@@ -29,6 +31,8 @@ def configure_logging(fmt: str = "console", level: str | int = "info") -> None:
         if level.lower() not in _LEVELS:
             raise ValueError(f"log level must be one of {sorted(_LEVELS)}, got {level!r}")
         level = _LEVELS[level.lower()]
+    global _format
+    _format = fmt
     renderer = (structlog.processors.JSONRenderer() if fmt == "json"
                 # plain tracebacks: rich's, with every frame's locals (tensors), took tens of seconds
                 else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty(),
@@ -73,3 +77,8 @@ def _logger_factory(*args) -> _NamedPrintLogger:
 
 if not structlog.is_configured():  # before configure_logging (e.g. the Python LLM API): stderr, info and up
     structlog.configure(logger_factory=_logger_factory, wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
+
+
+def current_format() -> str:
+    """The format `configure_logging` last set ("console" before any call): a process it spawns logs alike."""
+    return _format

@@ -44,7 +44,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from pagedkv.common import protocol
 from pagedkv.common.config import EngineConfig
-from pagedkv.common.log import get_logger
+from pagedkv.common.log import current_format, get_logger
 
 log = get_logger("pagedkv.worker_client")
 
@@ -162,12 +162,13 @@ class WorkerClient:
             env = dict(os.environ, PAGEDKV_PARENT_PID=str(os.getpid()))
             env[protocol.SECRET_ENV] = self._secret.decode()
             rendezvous = f"tcp://127.0.0.1:{_free_loopback_port()}"
-            # the ranks log at the control plane's level (debug: tracebacks of their failures)
+            # the ranks log at the control plane's level (debug: tracebacks of their failures), in its format
             level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
             for rank in range(n):
                 self.processes.append(subprocess.Popen(
                     [sys.executable, "-m", "pagedkv.worker", "--connect", self.address, "--rank", str(rank),
-                     "--world-size", str(n), "--dist-init-method", rendezvous, "--log-level", level], env=env))
+                     "--world-size", str(n), "--dist-init-method", rendezvous, "--log-level", level,
+                     "--log-format", current_format()], env=env))
                 log.info("worker process started", rank=rank, pid=self.processes[-1].pid, address=self.address)
         else:
             log.info("waiting for a worker to connect" if n == 1 else f"waiting for {n} worker ranks to connect",

@@ -136,12 +136,15 @@ class Server:
         self.proc = subprocess.Popen([*PAGEDKV, "serve", "--port", "0", "--log-format", "json", *flags],
                                      stderr=subprocess.PIPE, text=True, cwd=cwd)
         self.events: list[dict] = []
+        self.other_lines: list[str] = []  # stderr lines that are not JSON events (tracebacks, a stray format)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             line = self.proc.stderr.readline()
             if not line:
                 raise AssertionError(f"serve exited with {self.proc.wait()} before serving: {self.events}")
-            if line.startswith("{"):
+            if not line.startswith("{"):
+                self.other_lines.append(line)
+            else:
                 self.events.append(json.loads(line))
                 if self.events[-1]["event"] == "serving":
                     self.url = self.events[-1]["url"]
@@ -169,6 +172,9 @@ def test_serve_real_model_then_sigterm_shuts_down_cleanly(stories260k):
     server = Server("--model", str(stories260k), *SMALL_POOL)
     try:
         serving = server.events[-1]
+        assert server.other_lines == []  # the spawned worker logs JSON too, each line tagged with its rank
+        assert any(e["logger"] == "pagedkv.worker" and e["rank"] == 0 and e["event"].startswith("attention: cpu")
+                   for e in server.events)
         assert serving["model"] == "stories260K"
         assert serving["random_weights"] is False
         assert serving["num_gpu_blocks"] == 64

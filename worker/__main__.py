@@ -7,9 +7,9 @@ worker gets its parent's per-start secret in that variable).
 from __future__ import annotations
 
 import argparse
-import logging
 
 from pagedkv.common.config import add_rank_arguments, check_rank_arguments
+from pagedkv.common.log import configure_logging
 from pagedkv.common.protocol import SECRET_ENV, load_secret
 from pagedkv.worker.worker import exit_now, run
 
@@ -20,6 +20,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="the control plane's ZeroMQ address, e.g. ipc:///tmp/pagedkv.sock or tcp://host:5555")
     parser.add_argument("--secret-file", metavar="PATH", help=f"the worker-channel secret (default: ${SECRET_ENV})")
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    parser.add_argument("--log-format", choices=["console", "json"], default="console")
     add_rank_arguments(parser)
     args = parser.parse_args(argv)
     check_rank_arguments(args, parser)
@@ -29,8 +30,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--secret-file: {e}")
     if secret is None:
         parser.error(f"no worker-channel secret: give --secret-file or set {SECRET_ENV}")
-    logging.basicConfig(level=args.log_level.upper(),
-                        format=f"%(asctime)s worker rank {args.rank} %(levelname)s %(message)s")
+    configure_logging(args.log_format, args.log_level)
     run(args.connect, secret, args.rank, args.world_size, args.dist_init_method)
     exit_now(0)
 

@@ -20,6 +20,7 @@ import sys
 import time
 
 import msgspec
+import structlog
 import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -164,6 +165,7 @@ def run(address: str, secret: bytes, rank: int = 0, world_size: int = 1, init_me
     failed LoadModel/InitCache (a WorkerError is sent first) or, in a group, a failed step (its
     StepResult error is sent first); returns when told to shut down or when the control plane is gone.
     """
+    structlog.contextvars.bind_contextvars(rank=rank)  # every line of this process says which rank wrote it
     channel = Channel(secret)
     parent = os.environ.get("PAGEDKV_PARENT_PID")
     parent_pid = int(parent) if parent else None

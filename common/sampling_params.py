@@ -109,7 +109,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
         if any(not s for s in self.stop):
             bad("stop", "stop strings must be non-empty")
         if self.n < 1 or self.n > max_n:
-            bad("n", f"must be between 1 and {max_n}, got {self.n}")
+            bad("n", f"must be between 1 and {max_n} (--max-n), got {self.n}")
         if self.use_beam_search and self.n < 1:
             bad("n", "beam search needs a beam width n >= 1")
         if self.use_beam_search:

@@ -730,7 +730,7 @@ class _API:
         _check_common(req, engine, request_id)
         num_prompts = len(req.prompt) if isinstance(req.prompt, list) and req.prompt and \
             not isinstance(req.prompt[0], int) else 1
-        if req.n > engine.config.max_n:  # the narrower bound names its own flag
+        if not 1 <= req.n <= engine.config.max_n:  # before --max-choices: the narrower bound names its flag
             raise APIError(400, f"n: must be between 1 and {engine.config.max_n} (--max-n), got {req.n}", "n")
         if num_prompts * req.n > engine.config.max_choices:  # refused before a prompt is tokenized
             param = "n" if req.n > 1 else "prompt"

@@ -370,6 +370,7 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, sock: socket.so
         for sig in (signal.SIGINT, signal.SIGTERM):  # and ignored from here until the process exits
             loop.remove_signal_handler(sig)
             signal.signal(sig, signal.SIG_IGN)
+        log.info("stopped")  # the last line: the listener is closed and the workers are gone
 
 
 def _api_keys(args: argparse.Namespace, parser: argparse.ArgumentParser):

@@ -279,6 +279,8 @@ async def test_n_above_max_n_names_max_n_even_past_max_choices(http):
     resp = await http.post("/v1/completions", json={**GREEDY_60, "n": 300})  # 300 > --max-choices 128 too
     assert resp.status == 400
     assert (await resp.json())["error"]["message"] == "n: must be between 1 and 16 (--max-n), got 300"
+    resp = await http.post("/v1/completions", json={**GREEDY_60, "n": 0})  # below the bound: the same message
+    assert (await resp.json())["error"]["message"] == "n: must be between 1 and 16 (--max-n), got 0"
 
 
 async def test_wrong_type_message_names_the_expected_type(http):

@@ -186,6 +186,7 @@ def test_serve_real_model_then_sigterm_shuts_down_cleanly(stories260k):
         code, events = server.stop(signal.SIGTERM)
     assert code == 0
     assert "shutting down" in [e["event"] for e in events]
+    assert events[-1]["event"] == "stopped"  # a log alone says the server finished cleanly
 
 
 def test_serve_started_among_common_worker_kernels_scheduler_py_serves_the_golden(stories260k, tmp_path):

@@ -83,6 +83,7 @@ POISON = [  # (id, path, raw body, param named by the 400)
      '{"messages": [{"role": "user", "content": "hi \\udfff"}], "max_tokens": 4}', "messages[0].content"),
     ("chat-content-null-user", "/v1/chat/completions",
      '{"messages": [{"role": "user", "content": null}], "max_tokens": 4}', "messages[0].content"),
+    ("chat-n-zero", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "n": 0}', "n"),
     ("chat-role-lone-surrogate", "/v1/chat/completions",
      '{"messages": [{"role": "\\udfff", "content": "x"}], "max_tokens": 4}', "messages[0].role"),
 ]

@@ -162,3 +162,9 @@ def test_silu_and_mul_of_other_dtypes_takes_the_reference():
     x = torch.randn(5, 16).to(torch.bfloat16)
     got = cpu_kernels.silu_and_mul(x)
     assert got.dtype == torch.bfloat16 and torch.equal(got, reference.silu_and_mul(x))
+
+
+def test_a_missing_c_source_means_the_reference_not_a_crash(caplog):
+    # an installation without the sources (the wheel once shipped cpu_attention.c alone)
+    assert cpu_kernels._library("no_such_kernel.c") is None
+    assert "cannot read no_such_kernel.c" in caplog.text

@@ -36,6 +36,9 @@ def test_pip_install_puts_nothing_but_pagedkv_at_the_top_of_site_packages(tmp_pa
     assert top == {"pagedkv"}
     for package in ("common", "scheduler", "worker", "kernels", "bench"):
         assert (site / "pagedkv" / package / "__init__.py").is_file()
+    # the C kernels are built from source on first use: every source file ships
+    sources = {p.name for p in (REPO / "kernels").iterdir() if p.suffix in (".c", ".h")}
+    assert sources and sources <= {p.name for p in (site / "pagedkv" / "kernels").iterdir()}
     # the installed copy imports whole from a directory full of look-alike modules
     write_shadows(tmp_path)
     probe = subprocess.run([sys.executable, "-c", "import pagedkv.scheduler.engine, pagedkv.worker.worker, "

@@ -28,6 +28,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_vector.h"
+
 enum { KV_F32 = 0, KV_BF16 = 1, KV_LUT8 = 2 };
 
 /* Every element type becomes float32 here; 8-bit caches (fp8 E4M3 / E5M2) decode through a
@@ -160,9 +162,6 @@ typedef struct {
     float *s;    /* [rows][CHUNK]: the chunk's scores, then weights */
 } Scratch;
 
-/* Eight floats as one value (GCC and Clang vector extensions; one AVX register, two SSE or NEON
- * ones), loadable from any float address. */
-typedef float f32x8 __attribute__((vector_size(32), aligned(4), may_alias));
 
 /* s[r][c] = <q[r], kt[:, c]> for rows r of q ([rows][head_dim]) and the CHUNK keys of a chunk
  * (kt: [head_dim][CHUNK], s: [rows][CHUNK]). Written with vectors so that the accumulators stay
@@ -374,32 +373,6 @@ static void attend_heads8(
         }
         for (int i = 0; i < 8; i++) *(f32x8 *)(out + (h0 + i) * 8) = acc[i] * (v_scale / sum[i]);
     }
-}
-
-typedef int32_t i32x8 __attribute__((vector_size(32)));
-
-/* The lane-wise maximum, written lane by lane: the compiler makes it one vmaxps (or NEON fmax)
- * with no target-specific builtin here. */
-static inline __attribute__((always_inline)) f32x8 max8(f32x8 a, f32x8 b) {
-    for (int i = 0; i < 8; i++) a[i] = a[i] > b[i] ? a[i] : b[i];
-    return a;
-}
-
-/* exp_nonpositive on eight lanes at once (same reduction, same polynomial, same error bounds), with
- * two changes: the polynomial by Estrin's scheme (products of f^2 and f^4 side by side: half the
- * dependent steps of Horner's; a few per cent off the tile loop), and 2^n made in float ((n + 127)
- * * 2^23 converted to int is the exponent's bits), so that every step is one 256-bit float or
- * conversion instruction, also on AVX machines without AVX2's 256-bit integer ops. */
-static inline __attribute__((always_inline)) f32x8 exp8(f32x8 x) {
-    const f32x8 lo = {-87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f};
-    x = max8(x, lo);
-    const f32x8 n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504f - 0.5f, i32x8), f32x8);
-    const f32x8 f = x - n * 0.693147181f;
-    const f32x8 f2 = f * f, f4 = f2 * f2;
-    const f32x8 p = ((1.0f + f) + f2 * (0.5f + f * (1.0f / 6))) + f4 * (((1.0f / 24) + f * (1.0f / 120))
-                  + f2 * ((1.0f / 720) + f * (1.0f / 5040)));
-    const i32x8 bits = __builtin_convertvector((n + 127.0f) * 8388608.0f, i32x8);
-    return p * (f32x8)bits;
 }
 
 /* y[d][i] = x[i][d]: an 8 x 8 transpose in three rounds of two-source shuffles (unpack, shuffle,

@@ -60,8 +60,8 @@ _KINDS = {torch.float32: _F32, torch.bfloat16: _BF16, torch.float8_e4m3fn: _LUT8
 def _library(source_name: str = "cpu_attention.c") -> ctypes.CDLL | None:
     """The compiled ``source_name``, built on first use; None (logged once) when no C compiler could build it."""
     path = Path(__file__).with_name(source_name)
-    try:
-        source = path.read_bytes()
+    try:  # the key covers the headers it may include (cpu_vector.h) as well as the file itself
+        source = path.read_bytes() + b"".join(h.read_bytes() for h in sorted(path.parent.glob("*.h")))
     except OSError as e:  # an installation without the C sources: the reference's PyTorch code runs
         log.warning("cannot read %s: %s", source_name, e)
         return None

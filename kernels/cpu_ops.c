@@ -19,6 +19,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_vector.h"
+
 /* out[t] = weight * (x[t] / sqrt(mean(x[t]^2) + eps)) for num_tokens rows of `size` elements
  * (Zhang & Sennrich 2019; HF's LlamaRMSNorm in float32). out may be x. */
 void rms_norm(const float *restrict x, int64_t x_stride, const float *restrict weight, float eps, int64_t num_tokens,
@@ -105,34 +107,16 @@ int write_kv_cache(const float *key, int64_t key_stride, const float *value, int
     return 0;
 }
 
-/* Eight floats (or int32) as one value (GCC and Clang vector extensions: one AVX register, two SSE
- * or NEON ones), loadable from any float address. */
-typedef float f32x8 __attribute__((vector_size(32), aligned(4), may_alias));
-typedef int32_t i32x8 __attribute__((vector_size(32), aligned(4), may_alias));
-
 /* Lane-wise mask ? a : b (C has no vector ?:) */
 static inline f32x8 select8(i32x8 mask, f32x8 a, f32x8 b) {
     return (f32x8)(((i32x8)a & mask) | ((i32x8)b & ~mask));
-}
-
-/* e^x for x <= 0, lane-wise: 2^n e^f with n = round(x log2 e), |f| <= ln2 / 2, e^f by its degree-7
- * Taylor polynomial (error < 1e-8), 2^n written into the exponent bits; x is clamped at -87 so
- * that 2^n stays a normal float (e^-87 ~ 1.6e-38). */
-static inline f32x8 exp_nonpositive8(f32x8 x) {
-    const f32x8 lowest = x * 0.0f - 87.0f;
-    x = select8(x > lowest, x, lowest);
-    const i32x8 n = __builtin_convertvector(x * 1.44269504f - 0.5f, i32x8);  /* truncation: rounds x <= 0 */
-    const f32x8 f = x - __builtin_convertvector(n, f32x8) * 0.693147181f;
-    const f32x8 p = 1.0f + f * (1.0f + f * (0.5f + f * (1.0f / 6 + f * (1.0f / 24 + f * (1.0f / 120
-                  + f * (1.0f / 720 + f * (1.0f / 5040)))))));
-    return p * (f32x8)((n + 127) << 23);
 }
 
 /* silu(g) = g / (1 + e^-g), from e = e^-|g| <= 1 so that nothing overflows: 1 / (1 + e) for g > 0,
  * e / (1 + e) otherwise. */
 static inline f32x8 silu8(f32x8 g) {
     const i32x8 positive = g > 0.0f;
-    const f32x8 e = exp_nonpositive8(select8(positive, -g, g));
+    const f32x8 e = exp8(-max8(g, -g));
     const f32x8 r = 1.0f / (1.0f + e);
     return g * select8(positive, r, e * r);
 }

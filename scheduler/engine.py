@@ -127,10 +127,11 @@ class Engine:
                 raise WorkerFailed(f"no room for a single KV block on {hello.device} "
                                    "(raise --gpu-memory-utilization or --cpu-kv-cache-space)")
             num_cpu_blocks = int(config.swap_space * 2**30) // hello.kv_bytes_per_block
+            # device pool (GPU memory, or host memory on a CPU device) and the swap pool in host memory
             log.info("allocating the KV cache", num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
-                     block_size=config.block_size,
-                     gpu_gib=round(num_gpu_blocks * hello.kv_bytes_per_block / 2**30, 3),
-                     cpu_gib=round(num_cpu_blocks * hello.kv_bytes_per_block / 2**30, 3))
+                     block_size=config.block_size, device=hello.device,
+                     kv_cache_gib=round(num_gpu_blocks * hello.kv_bytes_per_block / 2**30, 3),
+                     swap_space_gib=round(num_cpu_blocks * hello.kv_bytes_per_block / 2**30, 3))
             await client.init_cache(num_gpu_blocks, num_cpu_blocks)
         except BaseException:
             await client.close()

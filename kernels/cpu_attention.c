@@ -328,9 +328,8 @@ static inline __attribute__((always_inline)) f32x8 sum_each(const f32x8 x[8]) {
  * multiple of 8). At this size a head's K row is one vector: per-head loops pay a horizontal sum
  * per (head, key), and the tile path a transposition of K per KV head, several times the
  * arithmetic. Here each slot's K row gives the eight heads' scores with eight multiplies and one
- * sum_each; the softmax runs across the eight heads at once (one exp8 per key: 1.5x the decode
- * step's attention at 256 x 112, 8/4/8, against a scalar exp per head); each V row is read once
- * for all heads. q, out: [num_heads][8]; scores: [len][8]. */
+ * sum_each; the softmax runs across the eight heads at once; each V row is read once for all
+ * heads. q, out: [num_heads][8]; scores: [len][8]. */
 static void attend_heads8(
         const float *restrict q, const void *k_cache, const void *v_cache, int kind, const float *lut,
         int64_t elem_bytes, const int32_t *table, int64_t len, int num_kv_heads, int group, int block_size,
@@ -354,15 +353,16 @@ static void attend_heads8(
                 for (int i = 0; i < 8; i++) x[i] = qv[i] * *(const f32x8 *)(k + at[i]);
                 const f32x8 s = sum_each(x);
                 *(f32x8 *)(scores + (first + j) * 8) = s;
-                m = max8(m, s);
+                for (int i = 0; i < 8; i++) m[i] = s[i] > m[i] ? s[i] : m[i];
             }
         }
-        f32x8 sum = {0};
-        for (int64_t t = 0; t < len; t++) {
-            const f32x8 e = exp8(*(const f32x8 *)(scores + t * 8) - m);
-            *(f32x8 *)(scores + t * 8) = e;
-            sum += e;
-        }
+        float sum[8] = {0};
+        for (int64_t t = 0; t < len; t++)
+            for (int i = 0; i < 8; i++) {
+                const float e = exp_nonpositive(scores[t * 8 + i] - m[i]);
+                scores[t * 8 + i] = e;
+                sum[i] += e;
+            }
         for (int64_t first = 0, slot0; first < len; first += block_size) {  /* acc_i += p[t][i] v_t */
             const int n = block_keys(table, first, len, block_size, v_cache, block_bytes, &slot0);
             for (int j = 0; j < n; j++) {

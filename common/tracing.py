@@ -165,12 +165,14 @@ class RequestTracer:
             span.set_status(Status(StatusCode.ERROR, error))
         span.end()
 
-    def worker_recovery(self, reason: str, start: float, end: float, restart: int, num_requeued: int) -> None:
+    def worker_recovery(self, reason: str, start: float, end: float, restart: int, attempts: int,
+                        num_requeued: int) -> None:
         """Record one worker recovery as a ``worker.recovery`` span from failure to a serving worker
-        (times time.monotonic() s), with the reason, the restart number and the sequences requeued."""
+        (times time.monotonic() s), with the failure that caused it, the consecutive restart number,
+        the worker starts it took (1 + the starts that failed) and the sequences requeued."""
         span = self.tracer.start_span("worker.recovery", start_time=_ns(start), attributes={
             "pagedkv.recovery.reason": reason, "pagedkv.recovery.restart": restart,
-            "pagedkv.recovery.num_requeued": num_requeued})
+            "pagedkv.recovery.attempts": attempts, "pagedkv.recovery.num_requeued": num_requeued})
         span.end(end_time=_ns(end))
 
     def shutdown(self) -> None:

@@ -13,9 +13,12 @@ requests and/or every --kill-interval seconds; the server must recover and the s
 
 Prints and writes (--out) a JSON report: completed, aborted, walkaways (clients drawn to walk
 away; one whose answer came first counts as completed), errors by type, p50/p99 end-to-end
-latency of completed requests (seconds), worker restarts, blocks leaked (device and host, must be
-0), and the control plane's RSS at start and at the end (MiB). Exit status 1 when any block leaked
-or any request failed.
+latency of completed requests (seconds), worker kills (SIGKILLs that hit a live worker) beside the
+server's `pagedkv:worker_restarts_total` and `pagedkv:worker_restart_failures_total` (every kill
+forces one worker start: a kill landing on a replacement while it starts fails that start, and the
+next one follows, so kills == restarts), blocks leaked (device and host, must be 0), and the control
+plane's RSS at start and at the end (MiB). Exit status 1 when any block leaked, any request failed
+or the restarts counted differ from the kills.
 """
 
 from __future__ import annotations
@@ -52,11 +55,20 @@ def _rss_mib(pid: int) -> float:
 
 
 def _children(pid: int) -> list[int]:
+    """The live child processes of ``pid``: a killed worker not yet reaped (a zombie) is not one."""
     out = []
     for task in os.listdir(f"/proc/{pid}/task"):
         with open(f"/proc/{pid}/task/{task}/children") as f:
             out += [int(c) for c in f.read().split()]
-    return out
+    return [c for c in out if _alive(c)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:  # reaped meanwhile
+        return False
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -142,10 +154,14 @@ class Soak:
             due = (a.kill_every and self.done >= next_at) or (a.kill_interval and time.monotonic() >= next_time)
             if not due:
                 continue
-            workers = _children(server_pid)
-            for pid in workers:
-                os.kill(pid, signal.SIGKILL)
-            self.kills += bool(workers)
+            killed = 0
+            for pid in _children(server_pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    killed += 1
+                except ProcessLookupError:  # exited and reaped since it was listed
+                    pass
+            self.kills += bool(killed)  # a kill that finds no live worker (one is being replaced) forces no restart
             next_at += a.kill_every or 0
             next_time = time.monotonic() + (a.kill_interval or 0)
 
@@ -187,13 +203,16 @@ async def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> Non
 
 
 async def _final_state(url: str) -> tuple[dict, dict]:
-    """The pool once every request has ended (waits for aborts to land), and the fault and pressure counters."""
+    """The pool once every request has ended (waits for aborts to land) and the worker serves (a restart
+    under way is finished), and the fault and pressure counters."""
     async with aiohttp.ClientSession() as s:
         deadline = time.monotonic() + 60
         while True:
             async with s.get(url + "/kv_cache") as r:
                 snap = await r.json()
-            if not snap["requests"] and not snap["swapped_requests"] or time.monotonic() > deadline:
+            async with s.get(url + "/health") as r:
+                serving = r.status == 200
+            if serving and not snap["requests"] and not snap["swapped_requests"] or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.2)
         async with s.get(url + "/metrics") as r:
@@ -202,6 +221,7 @@ async def _final_state(url: str) -> tuple[dict, dict]:
         return sum(float(v) for v in re.findall(rf"^pagedkv:{name}_total\{{[^}}]*{label}[^}}]*\}} (\S+)$", text, re.M))
 
     return snap, {"worker_restarts": total("worker_restarts"),
+                  "worker_restart_failures": total("worker_restart_failures"),
                   "preemptions_recompute": total("num_preemptions", 'mode="recompute"'),
                   "preemptions_swap": total("num_preemptions", 'mode="swap"'),
                   "blocks_swapped_out": total("num_blocks_swapped_out")}
@@ -286,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out, "w") as f:
             f.write(text + "\n")
     ok = (report["blocks_leaked"] == 0 and report["host_blocks_leaked"] == 0 and not report["errors"]
-          and report["live_requests_left"] == 0 and report["server_alive"])
+          and report["live_requests_left"] == 0 and report["server_alive"]
+          and report["worker_restarts"] == report["worker_kills"])
     return 0 if ok else 1
 
 

@@ -440,10 +440,14 @@ class Engine:
         (running, waiting or swapped) is requeued for recompute from its prompt plus the tokens it
         already produced, so streams go on with no token lost or repeated and seeded sampling (a
         function of seed and output index) gives what an uninterrupted run gives. While this runs,
-        /health says 503 "recovering: <why>"; each recovery is counted
-        (``pagedkv:worker_restarts_total``) and traced (a ``worker.recovery`` span).
+        /health says 503 "recovering: <why>; restart k of N". Every start of a worker (group) here is
+        counted in ``pagedkv:worker_restarts_total`` when it begins, and one that does not come up
+        (it died or failed while starting: the next attempt follows) also in
+        ``pagedkv:worker_restart_failures_total``; the recovery is traced as one ``worker.recovery``
+        span with its cause and the attempts it took.
         """
         started = time.monotonic()
+        cause, attempts = reason, 0
         if self._new_kv is None:  # built around a given allocator (tests): no pool to rebuild
             self._fail_all(reason)
             raise _EngineFailed
@@ -468,6 +472,8 @@ class Engine:
             self._apply_aborts()  # clients that left meanwhile
             client = self.client if not spawn else WorkerClient(
                 self.config, self._worker_args.get("address"), spawn=True, secret=self._worker_args.get("secret"))
+            attempts += 1
+            self.metrics.on_worker_restart()  # counted as it starts: one that dies starting was a restart too
             try:
                 await client.start()
                 await client.init_cache(*self._pool_blocks)
@@ -477,6 +483,7 @@ class Engine:
                 raise
             except Exception as e:  # noqa: BLE001 - any start failure counts as a failed restart
                 log.error("worker restart failed", error=str(e), restart=self._restarts)
+                self.metrics.on_worker_restart_failure()
                 if spawn:
                     client.failed = client.failed or str(e)
                     await client.close()
@@ -489,10 +496,9 @@ class Engine:
         num_requeued = self._requeue_all_for_recompute()
         self._last_restart = time.monotonic()
         self._recovering = None
-        self.metrics.on_worker_restart()
         if self.tracer is not None:
-            self.tracer.worker_recovery(reason, started, self._last_restart, self._restarts, num_requeued)
-        log.info("worker recovered", restart=self._restarts, requests_requeued=num_requeued,
+            self.tracer.worker_recovery(cause, started, self._last_restart, self._restarts, attempts, num_requeued)
+        log.info("worker recovered", restart=self._restarts, attempts=attempts, requests_requeued=num_requeued,
                  seconds=round(self._last_restart - started, 3))
 
     def _requeue_all_for_recompute(self) -> int:

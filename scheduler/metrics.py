@@ -40,7 +40,8 @@ class Metrics:
         self.blocks_swapped_in = Counter("pagedkv:num_blocks_swapped_in", "KV blocks copied from the host pool back to the device pool.", labels, registry=r)
         self.request_preemptions = Histogram("pagedkv:request_num_preemptions", "Preemptions of each finished request (all its sequences).", labels, buckets=_COUNT_BUCKETS, registry=r)
         self.world_size = Gauge("pagedkv:world_size", "Worker ranks serving the model (tensor parallel size).", labels, registry=r)
-        self.worker_restarts = Counter("pagedkv:worker_restarts", "Worker (group) restarts after a failure; each requeues every live request for recompute.", labels, registry=r)
+        self.worker_restarts = Counter("pagedkv:worker_restarts", "Worker (group) starts after a failure, counted as each begins, whether or not it comes up.", labels, registry=r)
+        self.worker_restart_failures = Counter("pagedkv:worker_restart_failures", "Worker (group) restarts that failed to come up (died or failed while starting); the next one follows.", labels, registry=r)
         self.model_name = model_name
         self._l = {"model_name": model_name}
         # Every series exists from the first scrape (zero until something happens), so a dashboard
@@ -90,4 +91,9 @@ class Metrics:
         self.e2e.labels(**self._l).observe(e2e_seconds)
 
     def on_worker_restart(self) -> None:
+        """A worker (group) start after a failure begins."""
         self.worker_restarts.labels(**self._l).inc()
+
+    def on_worker_restart_failure(self) -> None:
+        """That start failed (the worker died, or failed to load or to allocate its pool)."""
+        self.worker_restart_failures.labels(**self._l).inc()

@@ -1,6 +1,6 @@
 """The soak benchmark at CI size (issue 12): 1,000 requests against `pagedkv serve` on stories260K with
 ~30% client aborts, mixed n, beam search, streaming, swap pressure and two worker kills; no request
-fails, every block comes back, the server stays up. The full size is `python ops/soak.py` (10,000)."""
+fails, every block comes back, the server stays up, and /metrics counts one restart per kill. The full size is `python ops/soak.py` (10,000)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ async def test_soak_1000_requests_with_aborts_and_worker_kills_leaks_nothing(sto
     assert 0.2 < report["walkaways"] / 1000 < 0.4  # drawn from the seeded generator
     # a walkaway whose whole answer came first completed instead: how many depends on the engine's speed
     assert 100 <= report["aborted"] <= report["walkaways"]
-    assert report["worker_kills"] == 2 and report["worker_restarts"] == 2
+    # every kill hits a live worker and forces exactly one worker start; none lands on a starting one
+    assert report["worker_kills"] == report["worker_restarts"] == 2 and report["worker_restart_failures"] == 0
     assert report["preemptions_recompute"] + report["preemptions_swap"] > 0  # the pool was under pressure
     assert report["blocks_leaked"] == 0 and report["host_blocks_leaked"] == 0 and report["live_requests_left"] == 0
     assert report["server_alive"]

@@ -159,6 +159,7 @@ async def test_a_killed_rank_restarts_the_group_and_streams_go_on_as_if_uninterr
     assert await asyncio.wait_for(run, 120) == out["greedy"]
     assert health[-1][1].startswith(f"recovering: worker rank 1 (pid {ranks[1].pid}) process exited with code -9")
     assert metric(engine, "pagedkv:worker_restarts_total") == 1 and engine.health() == (True, "ok")
+    assert metric(engine, "pagedkv:worker_restart_failures_total") == 0
     new_ranks = list(engine.client.processes)
     assert len(new_ranks) == 2 and not {p.pid for p in new_ranks} & {p.pid for p in ranks}
     assert all(p.poll() is not None for p in ranks)  # rank 0 of the failed group too: killed, not left running

@@ -19,6 +19,7 @@ from conftest import (GOLDEN_COMPLETION, GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT, GOLDE
 from pagedkv.common.sampling_params import SamplingParams
 
 RESTARTS = "pagedkv:worker_restarts_total"
+RESTART_FAILURES = "pagedkv:worker_restart_failures_total"
 
 
 def _sixteen() -> list[tuple[list[int], SamplingParams]]:
@@ -78,11 +79,61 @@ async def test_kill_9_of_the_worker_during_16_streams_gives_the_uninterrupted_ou
 
     assert recovered == baseline  # same tokens, same text, none lost or repeated
     assert health[-1][1].startswith("recovering: worker process exited with code -9")
-    assert metric(engine, RESTARTS) == 1
+    assert metric(engine, RESTARTS) == 1 and metric(engine, RESTART_FAILURES) == 0
     assert engine.health() == (True, "ok") and engine.client.process.pid != old_pid and not _alive(old_pid)
     assert_all_blocks_free(engine)
     tokens, _, _ = await collect(engine.add_request(GOLDEN_PROMPT_IDS, SamplingParams(temperature=0, max_tokens=60)))
     assert tokens == GOLDEN_OUTPUT_IDS
+
+
+async def test_a_replacement_killed_while_starting_counts_as_a_failed_restart_and_the_next_one_serves(
+        start, monkeypatch):
+    """The soak's SIGKILL landing on the replacement worker while it starts: that start fails, the
+    next one serves. Every start after a failure is a restart (kills == restarts), the failed one is
+    also a restart failure, /health names it meanwhile and the recovery's span says it took 2 attempts."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from pagedkv.common.tracing import make_tracer
+    from pagedkv.scheduler import engine as engine_module
+
+    engine = await start(device="cpu", num_gpu_blocks=32, max_worker_restarts=3)
+    exporter = InMemorySpanExporter()
+    engine.tracer = make_tracer(span_exporter=exporter)
+    killed: list[int] = []
+
+    class KilledWhileStarting(engine_module.WorkerClient):
+        """The first replacement's process is SIGKILLed as soon as it is spawned, before it registers."""
+
+        async def start(self, *args, **kwargs):
+            starting = asyncio.ensure_future(super().start(*args, **kwargs))
+            if not killed:
+                await _until(lambda: self.processes or starting.done(), timeout=30, every=0.001)
+                killed.append(self.process.pid)
+                os.kill(self.process.pid, signal.SIGKILL)
+            return await starting
+
+    monkeypatch.setattr(engine_module, "WorkerClient", KilledWhileStarting)
+    seen: list[int] = []
+    run = asyncio.create_task(_stream(engine, GOLDEN_PROMPT_IDS, SamplingParams(temperature=0, max_tokens=60), seen))
+    await _until(lambda: sum(seen) >= 5)
+    old_pid = engine.client.process.pid
+    os.kill(old_pid, signal.SIGKILL)
+    states: list[str] = []
+    await _until(lambda: states.append(engine.health()[1]) or run.done(), timeout=120, every=0.005)
+    tokens, _, reason = await run
+
+    assert tokens == GOLDEN_OUTPUT_IDS and reason == "length"  # recomputed on the second replacement
+    assert len(killed) == 1 and not _alive(killed[0]) and not _alive(old_pid)
+    assert engine.client.process.pid not in (old_pid, killed[0])
+    assert any(s == "recovering: worker process exited with code -9; restart 1 of 3" for s in states)
+    assert any(s == "recovering: worker restart failed: worker process exited with code -9; restart 2 of 3"
+               for s in states)
+    assert metric(engine, RESTARTS) == 2 and metric(engine, RESTART_FAILURES) == 1
+    [span] = [s for s in exporter.get_finished_spans() if s.name == "worker.recovery"]
+    assert span.attributes["pagedkv.recovery.attempts"] == 2
+    assert span.attributes["pagedkv.recovery.reason"] == "worker process exited with code -9"
+    assert engine.health() == (True, "ok")
+    assert_all_blocks_free(engine)
 
 
 async def test_an_idle_workers_death_is_noticed_without_a_request(start):
@@ -90,9 +141,9 @@ async def test_an_idle_workers_death_is_noticed_without_a_request(start):
     old_pid = engine.client.process.pid
     os.kill(old_pid, signal.SIGKILL)
     states = []
-    await _until(lambda: states.append(engine.health()[1]) or metric(engine, RESTARTS) == 1)
-    assert any(s.startswith("recovering: worker process exited with code -9") for s in states)
-    assert engine.health() == (True, "ok")
+    recovering = "recovering: worker process exited with code -9; restart 1 of 2"
+    await _until(lambda: states.append(engine.health()[1]) or recovering in states and states[-1] == "ok")
+    assert metric(engine, RESTARTS) == 1 and metric(engine, RESTART_FAILURES) == 0
     tokens, _, _ = await collect(engine.add_request(GOLDEN_PROMPT_IDS, SamplingParams(temperature=0, max_tokens=60)))
     assert tokens == GOLDEN_OUTPUT_IDS
     assert_all_blocks_free(engine)
@@ -183,7 +234,8 @@ async def test_an_external_worker_restarted_by_its_supervisor_takes_over(stories
         await _until(lambda: states.append(engine.health()[1]) or not engine.healthy, timeout=30, every=0.005)
         assert states[-1].startswith(f"recovering: external worker (pid {workers[1].pid}) disconnected")
         workers.append(_external_worker(address, secret))
-        await _until(lambda: states.append(engine.health()[1]) or metric(engine, RESTARTS) == 2)
+        await _until(lambda: states.append(engine.health()[1]) or engine.healthy)
+        assert metric(engine, RESTARTS) == 2 and metric(engine, RESTART_FAILURES) == 0
         tokens, _, _ = await collect(engine.add_request(GOLDEN_PROMPT_IDS, SamplingParams(temperature=0, max_tokens=60)))
         assert tokens == GOLDEN_OUTPUT_IDS
         assert_all_blocks_free(engine)

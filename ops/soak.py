@@ -146,24 +146,37 @@ class Soak:
         finally:
             self.done += 1
 
-    async def killer(self, server_pid: int) -> None:
-        """SIGKILL the worker every --kill-every requests and/or --kill-interval seconds."""
+    async def killer(self, url: str, server_pid: int) -> None:
+        """SIGKILL the serving worker every --kill-every requests and/or --kill-interval seconds.
+
+        A kill that falls due while the server recovers waits for /health 200: killing each
+        replacement as it starts would only test the restart limit (past a backoff longer than
+        --kill-interval, every start would be killed).
+        """
         a, next_at, next_time = self.args, self.args.kill_every, time.monotonic() + (self.args.kill_interval or 0)
-        while self.done < a.requests:
-            await asyncio.sleep(0.05)
-            due = (a.kill_every and self.done >= next_at) or (a.kill_interval and time.monotonic() >= next_time)
-            if not due:
-                continue
-            killed = 0
-            for pid in _children(server_pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    killed += 1
-                except ProcessLookupError:  # exited and reaped since it was listed
-                    pass
-            self.kills += bool(killed)  # a kill that finds no live worker (one is being replaced) forces no restart
-            next_at += a.kill_every or 0
-            next_time = time.monotonic() + (a.kill_interval or 0)
+        async with aiohttp.ClientSession() as session:  # its own: the clients' pool may be full
+            while self.done < a.requests:
+                await asyncio.sleep(0.05)
+                due = (a.kill_every and self.done >= next_at) or (a.kill_interval and time.monotonic() >= next_time)
+                if not due:
+                    continue
+                async with session.get(url + "/health") as r:
+                    if r.status != 200:
+                        continue
+                self._kill(server_pid)
+                next_at += a.kill_every or 0
+                next_time = time.monotonic() + (a.kill_interval or 0)
+
+    def _kill(self, server_pid: int) -> None:
+        """SIGKILL every live worker of the server; counts one kill when any was there."""
+        killed = 0
+        for pid in _children(server_pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+            except ProcessLookupError:  # exited and reaped since it was listed
+                pass
+        self.kills += bool(killed)  # a kill that finds no live worker (one is being replaced) forces no restart
 
     async def run(self, url: str, server_pid: int) -> None:
         a = self.args
@@ -181,7 +194,7 @@ class Soak:
                 while not queue.empty():
                     await self.one(session, url, *queue.get_nowait())
 
-            killer = asyncio.create_task(self.killer(server_pid))
+            killer = asyncio.create_task(self.killer(url, server_pid))
             await asyncio.gather(*(client() for _ in range(a.concurrency)))
             killer.cancel()
 

@@ -643,17 +643,20 @@ def _listen_early(argv: list[str]) -> socket.socket | None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pagedkv`` console script; returns the process exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    sock, listen_error = None, None
     try:
         sock = _listen_early(argv)
-    except OSError as e:
-        print(f"pagedkv serve: error: {e}", file=sys.stderr)
-        return 1
+    except OSError as e:  # reported after the flags are checked: a bad flag is named first
+        listen_error = e
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     args.listen_socket = sock
     subparser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.command]
     if unknown:  # report it with the subcommand's usage, which lists the flags the user meant
         subparser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if listen_error is not None:
+        print(f"pagedkv serve: error: {listen_error}", file=sys.stderr)
+        return 1
     try:
         return args.handler(args, subparser)
     except KeyboardInterrupt:

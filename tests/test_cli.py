@@ -341,3 +341,12 @@ def test_a_port_in_use_exits_at_once_in_one_line_before_loading_anything(stories
     assert out.stderr == f"pagedkv serve: error: --host 127.0.0.1 --port {port}: cannot listen: Address already " \
                          f"in use\n", out.stderr
     print(f"port in use: exit after {seconds:.2f} s")  # the model was never read: no worker line above
+
+
+def test_a_bad_flag_is_named_even_when_the_port_is_in_use(capsys):
+    import socket
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "--port", str(busy.getsockname()[1]), "--kv-cache-dtype", "int8"])
+    assert e.value.code == 2
+    assert "argument --kv-cache-dtype: invalid choice: 'int8'" in capsys.readouterr().err

@@ -131,7 +131,8 @@ class Engine:
             log.info("allocating the KV cache", num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
                      block_size=config.block_size, device=hello.device,
                      kv_cache_gib=round(num_gpu_blocks * hello.kv_bytes_per_block / 2**30, 3),
-                     swap_space_gib=round(num_cpu_blocks * hello.kv_bytes_per_block / 2**30, 3))
+                     swap_space_gib=round(num_cpu_blocks * hello.kv_bytes_per_block / 2**30, 3),
+                     swap_gib_per_s=round(hello.swap_bandwidth / 2**30, 2) if hello.swap_bandwidth else None)
             await client.init_cache(num_gpu_blocks, num_cpu_blocks)
         except BaseException:
             await client.close()

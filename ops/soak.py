@@ -169,14 +169,14 @@ class Soak:
 
     def _kill(self, server_pid: int) -> None:
         """SIGKILL every live worker of the server; counts one kill when any was there."""
-        killed = 0
+        killed = False  # a kill that finds no live worker (one is being replaced) forces no restart
         for pid in _children(server_pid):
             try:
                 os.kill(pid, signal.SIGKILL)
-                killed += 1
+                killed = True
             except ProcessLookupError:  # exited and reaped since it was listed
                 pass
-        self.kills += bool(killed)  # a kill that finds no live worker (one is being replaced) forces no restart
+        self.kills += killed
 
     async def run(self, url: str, server_pid: int) -> None:
         a = self.args

@@ -166,13 +166,19 @@ class RequestTracer:
         span.end()
 
     def worker_recovery(self, reason: str, start: float, end: float, restart: int, attempts: int,
-                        num_requeued: int) -> None:
-        """Record one worker recovery as a ``worker.recovery`` span from failure to a serving worker
-        (times time.monotonic() s), with the failure that caused it, the consecutive restart number,
-        the worker starts it took (1 + the starts that failed) and the sequences requeued."""
+                        num_requeued: int, error: str | None = None) -> None:
+        """Record one worker recovery as a ``worker.recovery`` span from failure to a serving worker,
+        or to the end of trying (times time.monotonic() s), with the failure that caused it, the
+        consecutive restart number, the worker starts it took (those that failed included) and the
+        sequences requeued. error: why it ended with no serving worker (out of restarts, shut down),
+        set as the span's ERROR status description; None for a recovery that brought one up."""
         span = self.tracer.start_span("worker.recovery", start_time=_ns(start), attributes={
             "pagedkv.recovery.reason": reason, "pagedkv.recovery.restart": restart,
             "pagedkv.recovery.attempts": attempts, "pagedkv.recovery.num_requeued": num_requeued})
+        if error is not None:
+            from opentelemetry.trace import Status, StatusCode
+
+            span.set_status(Status(StatusCode.ERROR, error))
         span.end(end_time=_ns(end))
 
     def shutdown(self) -> None:

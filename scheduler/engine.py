@@ -443,9 +443,13 @@ class Engine:
         function of seed and output index) gives what an uninterrupted run gives. While this runs,
         /health says 503 "recovering: <why>; restart k of N". Every start of a worker (group) here is
         counted in ``pagedkv:worker_restarts_total`` when it begins, and one that does not come up
-        (it died or failed while starting: the next attempt follows) also in
-        ``pagedkv:worker_restart_failures_total``; the recovery is traced as one ``worker.recovery``
-        span with its cause and the attempts it took.
+        (it died or failed while starting, or a shutdown cut it short) also in
+        ``pagedkv:worker_restart_failures_total``: restarts minus failures are the workers that came
+        up (plus the one starting now, if any). Each recovery, however it ends, is traced as
+        one ``worker.recovery`` span with its cause and the starts it took; one that ends without a
+        serving worker (out of restarts, or shut down) has an error status saying which, and 0
+        sequences requeued. Raises CancelledError when shut down meanwhile, after closing any
+        worker it was starting.
         """
         started = time.monotonic()
         cause, attempts = reason, 0
@@ -457,42 +461,55 @@ class Engine:
         self._recovering = reason
         log.error("worker failed", error=reason, max_worker_restarts=self.config.max_worker_restarts)
         spawn = self._worker_args.get("spawn", True)
-        if spawn:
-            await self.client.close()  # kills a dead or stalled worker for certain
-        else:
-            await self.client.forget_worker()
-        while True:
-            if self._restarts >= self.config.max_worker_restarts:
-                self._fail_all(f"{reason} (after {self._restarts} worker restarts, --max-worker-restarts "
-                               f"{self.config.max_worker_restarts})")
-                raise _EngineFailed
-            delay = _RESTART_BACKOFF_SECONDS[min(self._restarts, len(_RESTART_BACKOFF_SECONDS) - 1)]
-            self._restarts += 1
-            self._recovering = f"{reason}; restart {self._restarts} of {self.config.max_worker_restarts}"
-            await asyncio.sleep(delay)
-            self._apply_aborts()  # clients that left meanwhile
-            client = self.client if not spawn else WorkerClient(
-                self.config, self._worker_args.get("address"), spawn=True, secret=self._worker_args.get("secret"))
-            attempts += 1
-            self.metrics.on_worker_restart()  # counted as it starts: one that dies starting was a restart too
-            try:
-                await client.start()
-                await client.init_cache(*self._pool_blocks)
-            except asyncio.CancelledError:  # shut down mid-restart: leave no worker behind
-                client.failed = "shut down during a restart"
-                await client.close()
-                raise
-            except Exception as e:  # noqa: BLE001 - any start failure counts as a failed restart
-                log.error("worker restart failed", error=str(e), restart=self._restarts)
-                self.metrics.on_worker_restart_failure()
-                if spawn:
-                    client.failed = client.failed or str(e)
+        try:
+            if spawn:
+                await self.client.close()  # kills a dead or stalled worker for certain
+            else:
+                await self.client.forget_worker()
+            while True:
+                if self._restarts >= self.config.max_worker_restarts:
+                    error = (f"{reason} (after {self._restarts} worker restarts, --max-worker-restarts "
+                             f"{self.config.max_worker_restarts})")
+                    self._fail_all(error)
+                    if self.tracer is not None:
+                        self.tracer.worker_recovery(cause, started, time.monotonic(), self._restarts, attempts, 0,
+                                                    error)
+                    raise _EngineFailed
+                delay = _RESTART_BACKOFF_SECONDS[min(self._restarts, len(_RESTART_BACKOFF_SECONDS) - 1)]
+                self._restarts += 1
+                self._recovering = f"{reason}; restart {self._restarts} of {self.config.max_worker_restarts}"
+                await asyncio.sleep(delay)
+                self._apply_aborts()  # clients that left meanwhile
+                client = self.client if not spawn else WorkerClient(
+                    self.config, self._worker_args.get("address"), spawn=True, secret=self._worker_args.get("secret"))
+                attempts += 1
+                self.metrics.on_worker_restart()  # counted as it starts: one that dies starting was a restart too
+                try:
+                    await client.start()
+                    await client.init_cache(*self._pool_blocks)
+                except asyncio.CancelledError:  # shut down mid-restart: leave no worker behind
+                    self.metrics.on_worker_restart_failure()  # it did not come up: restarts - failures stays honest
+                    client.failed = "shut down during a restart"
                     await client.close()
-                else:
-                    await client.forget_worker()
-                reason = f"worker restart failed: {e}"
-                continue
-            break
+                    raise
+                except Exception as e:  # noqa: BLE001 - any start failure counts as a failed restart
+                    log.error("worker restart failed", error=str(e), restart=self._restarts)
+                    self.metrics.on_worker_restart_failure()
+                    if spawn:
+                        client.failed = client.failed or str(e)
+                        await client.close()
+                    else:
+                        await client.forget_worker()
+                    reason = f"worker restart failed: {e}"
+                    continue
+                break
+        except asyncio.CancelledError:
+            # traced as a recovery that failed: no worker came up, and a worker failure with no span
+            # after it would read as a recovery still under way
+            if self.tracer is not None:
+                self.tracer.worker_recovery(cause, started, time.monotonic(), self._restarts, attempts, 0,
+                                            "shut down during the recovery")
+            raise
         self.client = client
         num_requeued = self._requeue_all_for_recompute()
         self._last_restart = time.monotonic()

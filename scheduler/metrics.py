@@ -41,7 +41,7 @@ class Metrics:
         self.request_preemptions = Histogram("pagedkv:request_num_preemptions", "Preemptions of each finished request (all its sequences).", labels, buckets=_COUNT_BUCKETS, registry=r)
         self.world_size = Gauge("pagedkv:world_size", "Worker ranks serving the model (tensor parallel size).", labels, registry=r)
         self.worker_restarts = Counter("pagedkv:worker_restarts", "Worker (group) starts after a failure, counted as each begins, whether or not it comes up.", labels, registry=r)
-        self.worker_restart_failures = Counter("pagedkv:worker_restart_failures", "Worker (group) restarts that failed to come up (died or failed while starting); the next one follows.", labels, registry=r)
+        self.worker_restart_failures = Counter("pagedkv:worker_restart_failures", "Worker (group) restarts that did not come up: died or failed while starting, or cut short by a shutdown. Restarts minus these are the workers that came up (plus the one starting now, if any).", labels, registry=r)
         self.model_name = model_name
         self._l = {"model_name": model_name}
         # Every series exists from the first scrape (zero until something happens), so a dashboard
@@ -95,5 +95,6 @@ class Metrics:
         self.worker_restarts.labels(**self._l).inc()
 
     def on_worker_restart_failure(self) -> None:
-        """That start failed (the worker died, or failed to load or to allocate its pool)."""
+        """That start did not come up: the worker died, failed to load or to allocate its pool, or a
+        shutdown cut the start short."""
         self.worker_restart_failures.labels(**self._l).inc()

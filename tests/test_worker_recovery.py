@@ -13,10 +13,13 @@ import subprocess
 import sys
 import time
 
+import pytest
 from conftest import (GOLDEN_COMPLETION, GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT, GOLDEN_PROMPT_IDS, assert_all_blocks_free,
                       collect, metric)
 
 from pagedkv.common.sampling_params import SamplingParams
+from pagedkv.scheduler import engine as engine_module
+from pagedkv.scheduler.worker_client import WorkerFailed
 
 RESTARTS = "pagedkv:worker_restarts_total"
 RESTART_FAILURES = "pagedkv:worker_restart_failures_total"
@@ -51,6 +54,28 @@ async def _until(predicate, timeout: float = 120.0, every: float = 0.02) -> None
     while not predicate():
         assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
         await asyncio.sleep(every)
+
+
+def _traced(engine):
+    """An in-memory exporter that receives the engine's spans from now on."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from pagedkv.common.tracing import make_tracer
+
+    exporter = InMemorySpanExporter()
+    engine.tracer = make_tracer(span_exporter=exporter)
+    return exporter
+
+
+def _recovery_span(exporter):
+    """The one ``worker.recovery`` span recorded (fails when there are none or several)."""
+    [span] = [s for s in exporter.get_finished_spans() if s.name == "worker.recovery"]
+    return span
+
+
+def _recovery_attributes(reason: str, restart: int, attempts: int, num_requeued: int) -> dict:
+    return {"pagedkv.recovery.reason": reason, "pagedkv.recovery.restart": restart,
+            "pagedkv.recovery.attempts": attempts, "pagedkv.recovery.num_requeued": num_requeued}
 
 
 def _alive(pid: int) -> bool:
@@ -91,14 +116,10 @@ async def test_a_replacement_killed_while_starting_counts_as_a_failed_restart_an
     """The soak's SIGKILL landing on the replacement worker while it starts: that start fails, the
     next one serves. Every start after a failure is a restart (kills == restarts), the failed one is
     also a restart failure, /health names it meanwhile and the recovery's span says it took 2 attempts."""
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-    from pagedkv.common.tracing import make_tracer
-    from pagedkv.scheduler import engine as engine_module
+    from opentelemetry.trace import StatusCode
 
     engine = await start(device="cpu", num_gpu_blocks=32, max_worker_restarts=3)
-    exporter = InMemorySpanExporter()
-    engine.tracer = make_tracer(span_exporter=exporter)
+    exporter = _traced(engine)
     killed: list[int] = []
 
     class KilledWhileStarting(engine_module.WorkerClient):
@@ -129,9 +150,10 @@ async def test_a_replacement_killed_while_starting_counts_as_a_failed_restart_an
     assert any(s == "recovering: worker restart failed: worker process exited with code -9; restart 2 of 3"
                for s in states)
     assert metric(engine, RESTARTS) == 2 and metric(engine, RESTART_FAILURES) == 1
-    [span] = [s for s in exporter.get_finished_spans() if s.name == "worker.recovery"]
-    assert span.attributes["pagedkv.recovery.attempts"] == 2
-    assert span.attributes["pagedkv.recovery.reason"] == "worker process exited with code -9"
+    span = _recovery_span(exporter)
+    assert dict(span.attributes) == _recovery_attributes("worker process exited with code -9", restart=2, attempts=2,
+                                                         num_requeued=1)
+    assert span.status.status_code == StatusCode.UNSET
     assert engine.health() == (True, "ok")
     assert_all_blocks_free(engine)
 
@@ -182,7 +204,10 @@ async def test_a_step_that_fails_on_one_request_fails_only_that_request(start, m
 
 
 async def test_out_of_restarts_the_engine_fails_every_request_and_says_so(start):
+    from opentelemetry.trace import StatusCode
+
     engine = await start(device="cpu", num_gpu_blocks=32, max_worker_restarts=0)
+    exporter = _traced(engine)
     seen: list[int] = []
     run = asyncio.create_task(_stream(engine, GOLDEN_PROMPT_IDS, SamplingParams(temperature=0, max_tokens=60), seen))
     await _until(lambda: sum(seen) >= 3)
@@ -191,8 +216,68 @@ async def test_out_of_restarts_the_engine_fails_every_request_and_says_so(start)
     assert reason == "error"
     await asyncio.wait_for(engine.failed.wait(), 30)
     ok, status = engine.health()
-    assert not ok and status.startswith("failed: worker process exited with code -9")
-    assert "--max-worker-restarts 0" in status
+    assert status == "failed: worker process exited with code -9 (after 0 worker restarts, --max-worker-restarts 0)"
+    assert not ok and metric(engine, RESTARTS) == 0 and metric(engine, RESTART_FAILURES) == 0
+    span = _recovery_span(exporter)  # the recovery that could not even start a worker is traced too
+    assert dict(span.attributes) == _recovery_attributes("worker process exited with code -9", restart=0, attempts=0,
+                                                         num_requeued=0)
+    assert span.status.status_code == StatusCode.ERROR and span.status.description == status.removeprefix("failed: ")
+
+
+async def test_out_of_restarts_after_a_failed_start_the_recovery_span_is_an_error_with_the_attempts_it_took(
+        start, monkeypatch):
+    from opentelemetry.trace import StatusCode
+
+    engine = await start(device="cpu", num_gpu_blocks=32, max_worker_restarts=1)
+    exporter = _traced(engine)
+
+    class NoDevice(engine_module.WorkerClient):
+        async def start(self, *args, **kwargs):
+            raise WorkerFailed("no device")
+
+    monkeypatch.setattr(engine_module, "WorkerClient", NoDevice)
+    os.kill(engine.client.process.pid, signal.SIGKILL)  # idle: noticed within a second
+    await asyncio.wait_for(engine.failed.wait(), 30)
+
+    error = "worker restart failed: no device (after 1 worker restarts, --max-worker-restarts 1)"
+    assert engine.health() == (False, f"failed: {error}")
+    assert metric(engine, RESTARTS) == 1 and metric(engine, RESTART_FAILURES) == 1
+    span = _recovery_span(exporter)
+    assert dict(span.attributes) == _recovery_attributes("worker process exited with code -9", restart=1, attempts=1,
+                                                         num_requeued=0)
+    assert span.status.status_code == StatusCode.ERROR and span.status.description == error
+
+
+@pytest.mark.parametrize("cut", ["start", "backoff"])  # while the replacement starts; before the next one
+async def test_a_shutdown_mid_recovery_leaves_restarts_minus_failures_at_zero_and_an_error_span(
+        start, monkeypatch, cut):
+    """No worker came up: every restart counted is also a failure, and the recovery's span ends with
+    an error status instead of never being recorded."""
+    from opentelemetry.trace import StatusCode
+
+    engine = await start(device="cpu", num_gpu_blocks=32, max_worker_restarts=2)
+    exporter = _traced(engine)
+    starts: list[engine_module.WorkerClient] = []
+
+    class NeverUp(engine_module.WorkerClient):
+        async def start(self, *args, **kwargs):
+            starts.append(self)
+            if cut == "start":
+                await asyncio.Event().wait()  # slower than the shutdown
+            raise WorkerFailed("no device")  # the next start follows a 1 s backoff
+
+    monkeypatch.setattr(engine_module, "WorkerClient", NeverUp)
+    os.kill(engine.client.process.pid, signal.SIGKILL)
+    restart = 1 if cut == "start" else 2
+    await _until(lambda: starts and engine.health()[1].endswith(f"restart {restart} of 2"))
+    await engine.shutdown()
+
+    assert len(starts) == 1
+    assert metric(engine, RESTARTS) == 1 and metric(engine, RESTART_FAILURES) == 1
+    span = _recovery_span(exporter)
+    assert dict(span.attributes) == _recovery_attributes("worker process exited with code -9", restart=restart,
+                                                         attempts=1, num_requeued=0)
+    assert span.status.status_code == StatusCode.ERROR and span.status.description == "shut down during the recovery"
 
 
 def _external_worker(address: str, secret: str) -> subprocess.Popen:

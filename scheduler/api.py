@@ -283,6 +283,9 @@ def _check_json(value: Any, path: str = "", depth: int = 0) -> None:
             shown = str(value) if value.bit_length() <= 128 else f"of {len(str(abs(value)))} digits"
             raise APIError(400, f"{path}: integer {shown} is outside the 64-bit signed range", path)
     elif isinstance(value, list):
+        if value and depth < MAX_JSON_DEPTH and all(type(item) is int for item in value) and \
+                _INT64_MIN <= min(value) and max(value) <= _INT64_MAX:
+            return  # token ids: one range check instead of a call per id (a long prompt is the common case)
         for i, item in enumerate(value):
             _check_json(item, f"{path}[{i}]", depth + 1)
     elif isinstance(value, dict):
@@ -498,6 +501,11 @@ class _Generation:
         self.prompt_tokens[prompt_index] = out.num_prompt_tokens
         self.cached_tokens[prompt_index] = max(self.cached_tokens[prompt_index], out.num_cached_tokens)
         return idx
+
+    @property
+    def finished(self) -> bool:
+        """Whether every choice has its finish reason (the stream's last delta has been recorded)."""
+        return all(c.finish_reason is not None for c in self.choices)
 
     def usage(self, count_completion: bool = True) -> dict:
         """OpenAI's usage; count_completion False: the outputs were not returned (echo, max_tokens 0)."""
@@ -787,17 +795,24 @@ class _API:
 
         async def events() -> AsyncIterator[bytes]:
             started: set[int] = set()
+            held = b""
             async for idx, out in gen.outputs():
+                if held:
+                    yield held
+                    held = b""
                 if out.finish_reason == "error":
-                    yield _sse(APIError(500, out.error or "generation failed", type="server_error").body())
+                    yield _sse(APIError(500, out.error or "generation failed", type="server_error").body()) + _SSE_DONE
                     return
                 first = idx not in started
                 started.add(idx)
                 if first or out.text or out.logprobs or out.finish_reason:
-                    yield _sse(chunk([piece(idx, out.text, out.logprobs or [], first, out.finish_reason,
-                                            out.stop_reason)]))
-            if include_usage:
-                yield _sse(chunk([], gen.usage(not echo_only)))
+                    event = _sse(chunk([piece(idx, out.text, out.logprobs or [], first, out.finish_reason,
+                                               out.stop_reason)]))
+                    if gen.finished:  # the last delta goes out with the usage chunk and [DONE], in one write
+                        held = event
+                    else:
+                        yield event
+            yield held + (_sse(chunk([], gen.usage(not echo_only))) if include_usage else b"") + _SSE_DONE
 
         return await _stream(request, gen, events())
 
@@ -843,16 +858,23 @@ class _API:
             for i in range(len(gen.choices)):  # OpenAI's first delta of each choice carries the role
                 yield _sse(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                    "logprobs": None, "finish_reason": None}]))
+            held = b""
             async for idx, out in gen.outputs():
+                if held:
+                    yield held
+                    held = b""
                 if out.finish_reason == "error":
-                    yield _sse(APIError(500, out.error or "generation failed", type="server_error").body())
+                    yield _sse(APIError(500, out.error or "generation failed", type="server_error").body()) + _SSE_DONE
                     return
                 if out.text or out.logprobs or out.finish_reason:
-                    yield _sse(chunk([{"index": idx, "delta": {"content": out.text} if out.text else {},
-                                       "logprobs": _chat_logprobs(out.logprobs or []) if req.logprobs else None,
-                                       "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}]))
-            if include_usage:
-                yield _sse(chunk([], gen.usage()))
+                    event = _sse(chunk([{"index": idx, "delta": {"content": out.text} if out.text else {},
+                                         "logprobs": _chat_logprobs(out.logprobs or []) if req.logprobs else None,
+                                         "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}]))
+                    if gen.finished:  # the last delta goes out with the usage chunk and [DONE], in one write
+                        held = event
+                    else:
+                        yield event
+            yield held + (_sse(chunk([], gen.usage())) if include_usage else b"") + _SSE_DONE
 
         return await _stream(request, gen, events())
 
@@ -959,13 +981,16 @@ class _API:
 
 
 async def _stream(request: web.Request, gen: _Generation, events: AsyncIterator[bytes]) -> web.StreamResponse:
-    """Send ``events`` as SSE, then ``data: [DONE]``; a disconnected client aborts the generation."""
+    """Send ``events``, SSE bytes whose last ends with ``data: [DONE]``; that one goes out with the end of
+    the chunked body in one write (`write_eof`). A disconnected client aborts the generation."""
     try:
         resp = await _start_sse(request)
         try:
             async for event in events:
-                await resp.write(event)
-            await resp.write(_SSE_DONE)
+                if event.endswith(_SSE_DONE):  # JSON escapes newlines: only the real end can end so
+                    await resp.write_eof(event)
+                else:
+                    await resp.write(event)
         except ConnectionResetError:  # the client went away: closing the generation aborts it
             log.info("client disconnected", request_ids=gen.request_ids)
             return resp

@@ -379,8 +379,9 @@ class Engine:
         """Sleep until woken (an arrival, an abort, a finish), looking at the worker every
         _IDLE_CHECK_SECONDS meanwhile: an idle worker's death is noticed within a second."""
         self._wake.clear()
-        try:
-            await asyncio.wait_for(self._wake.wait(), _IDLE_CHECK_SECONDS)
+        try:  # asyncio.timeout, not wait_for: this task waits on the event itself, woken one loop pass after set()
+            async with asyncio.timeout(_IDLE_CHECK_SECONDS):
+                await self._wake.wait()
         except TimeoutError:
             pass
         try:

@@ -306,7 +306,10 @@ class WorkerClient:
                 who = "worker" if self.world_size == 1 else f"worker {waiting_for}"
                 self.failed = f"{who} did not answer within {timeout:g} s (--worker-timeout)"
                 raise WorkerFailed(self.failed)
-            if not await self._sock.poll(timeout=int(min(_POLL_SECONDS, remaining) * 1000)):
+            # A result already waiting is read at once: awaiting poll() costs several event-loop passes,
+            # each as long as everything else ready on the loop (a burst of arriving requests, streaming)
+            ready = self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN
+            if not ready and not await self._sock.poll(timeout=int(min(_POLL_SECONDS, remaining) * 1000)):
                 self._check_connections()
                 if self.failed is not None:
                     raise WorkerFailed(self.failed)

@@ -14,7 +14,7 @@ from aiohttp.test_utils import TestServer
 
 from pagedkv.common.config import EngineConfig
 from pagedkv.scheduler.api import build_app
-from pagedkv.bench.replay import TraceRow, build_requests, load_trace, percentile, run_against_url
+from pagedkv.bench.replay import TraceRow, build_requests, load_trace, percentile, run_against_url, sse_data
 from pagedkv.bench.contiguous_allocator import ContiguousAllocator
 from pagedkv.bench.kv_accounting import account_kv, running_stats, summarize_kv
 from pagedkv.scheduler.cli import main
@@ -124,6 +124,15 @@ def test_bench_compares_allocators_and_the_accounting_adds_up(stories260k, tmp_p
     if plots:
         assert (tmp_path / "smoke-utilization.png").stat().st_size > 0
     assert "| paged |" in capsys.readouterr().out
+
+
+def test_sse_data_splits_events_across_reads_with_either_line_end():
+    stream = b'data: {"a":1}\n\ndata: {"b":2}\r\n\r\n: comment\nevent: x\ndata: [DONE]\n\n'
+    for cut in range(len(stream) + 1):  # every split of the stream into two reads
+        first, partial = sse_data(b"", stream[:cut])
+        second, partial = sse_data(partial, stream[cut:])
+        assert first + second == [b'{"a":1}', b'{"b":2}'] and partial == b""
+    assert sse_data(b"", b'data: {"a"') == ([], b'data: {"a"')
 
 
 async def test_bench_against_a_server_polls_kv_cache(stories260k):

@@ -14,6 +14,8 @@ Throughput = requested output tokens / wall time from the first request to the l
 
     python ops/bench_vs_transformers.py --model ../shared/models/stories260K --trace conv \\
         --num-requests 64 --hf-batch-size 8,32 [--json out.json]
+    python ops/bench_vs_transformers.py --model /tmp/llama-200m --load-format dummy \\
+        --num-requests 16 --hf-batch-size 8,16 --repeats 2       # weights-bound (ops/weights_bound_model.py)
 
 transformers (and torch) are imported here only: an optional dependency (pip install 'pagedkv[bench]').
 """
@@ -35,14 +37,19 @@ from pagedkv.bench.replay import (ATTRIBUTION, auto_token_scale, build_requests,
 
 
 def run_transformers(model_dir: str, prompts: list[list[int]], max_tokens: list[int], batch_size: int,
-                     threads: int | None = None) -> dict:
-    """Static-batch greedy generation with transformers; returns wall seconds and token counts."""
+                     threads: int | None = None, load_format: str = "auto") -> dict:
+    """Static-batch greedy generation with transformers; returns wall seconds and token counts.
+    load_format "dummy": random weights from config.json (a directory without weights), as pagedkv's."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     if threads:
         torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    if load_format == "dummy":
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), torch_dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model.eval()
     pad = 0
     start = time.perf_counter()
     generated = 0
@@ -72,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3,
                    help="rounds of (pagedkv, each batch size), order alternating; the ratio is the median")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="dummy: random weights in both engines (a directory without weights, e.g. "
+                        "ops/weights_bound_model.py's); throughput only, the outputs are noise")
     p.add_argument("--json", default=None, metavar="FILE")
     args = p.parse_args(argv)
     try:
@@ -93,16 +103,17 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [random_prompt(rng, r.prompt_len, model.vocab_size) for r in requests]
     max_tokens = [r.max_tokens for r in requests]
 
-    config = EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs, seed=args.seed)
+    config = EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs, seed=args.seed,
+                          load_format=args.load_format)
     rounds = []  # each: (pagedkv summary, [transformers result per batch size]); load on a shared machine drifts
     for i in range(args.repeats):
         run_paged = lambda: asyncio.run(run_in_process(config, requests, seed=args.seed, progress=False,  # noqa: E731
                                                        desc="pagedkv", account_kv_every_step=False))
         if i % 2 == 0:
             paged = run_paged()
-            hf = [run_transformers(args.model, prompts, max_tokens, b) for b in batch_sizes]
+            hf = [run_transformers(args.model, prompts, max_tokens, b, load_format=args.load_format) for b in batch_sizes]
         else:
-            hf = [run_transformers(args.model, prompts, max_tokens, b) for b in batch_sizes]
+            hf = [run_transformers(args.model, prompts, max_tokens, b, load_format=args.load_format) for b in batch_sizes]
             paged = run_paged()
         paged.pop("samples", None)
         rounds.append((paged, hf))

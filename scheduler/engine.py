@@ -617,8 +617,12 @@ class Engine:
                 if m.index < stream.n:
                     self.advisor.on_finished(now, m.num_tokens)
         self.metrics.on_request_preemptions(sum(m.num_preemptions for m in stream.members))
-        completion_tokens = 0 if stream.prompt_only else sum(m.num_output_tokens for m in stream.members
-                                                             if m.index < stream.n)
+        if stream.prompt_only:
+            completion_tokens = 0
+        elif stream.beam is not None:  # what usage counts: the returned beams, not the sequences that ran
+            completion_tokens = stream.num_beam_output_tokens
+        else:
+            completion_tokens = sum(m.num_output_tokens for m in stream.members if m.index < stream.n)
         if stream.span is not None:
             self.tracer.end_request(stream.span, [m.request_id for m in stream.members], completion_tokens,
                                     status.finish_reason, stream.arrival_time, stream.first_token_time, error)

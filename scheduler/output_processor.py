@@ -83,6 +83,7 @@ class RequestStream:
         self.finished: set[int] = set()  # choice indices
         self.members: list[Request] = []  # every sequence ever created for it
         self.beam: BeamSearch | None = None
+        self.num_beam_output_tokens = 0  # beam search: the output tokens of the hypotheses returned
         self.arrival_time = arrival_time
         self.first_token_time: float | None = None
         self.last_token_time = arrival_time
@@ -241,7 +242,9 @@ class OutputProcessor:
                 self.scheduler.finish(beam, RequestStatus.FINISHED_STOPPED)
         if not search.done:
             return None
-        for i, hyp in enumerate(search.results()):
+        results = search.results()
+        stream.num_beam_output_tokens = sum(len(hyp.token_ids) for hyp in results)
+        for i, hyp in enumerate(results):
             detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, [], stream.params.skip_special_tokens)
             text = "".join(detok.append(t) for t in hyp.token_ids) + detok.flush()
             status = RequestStatus.FINISHED_STOPPED if hyp.ended_with_eos else RequestStatus.FINISHED_LENGTH

@@ -109,6 +109,22 @@ async def test_one_kv_preempt_span_per_preemption_parented_to_its_request_span(s
         await engine.shutdown()
 
 
+async def test_a_beam_search_span_counts_the_output_tokens_usage_counts(stories260k):
+    """n = 3 beams of 8 tokens: 24 output tokens, as the returned choices (usage) count them, whatever
+    sequences the search forked and dropped on the way."""
+    exporter = InMemorySpanExporter()
+    engine = await Engine.start(EngineConfig(model=str(stories260k), num_gpu_blocks=64),
+                                tracer=make_tracer(span_exporter=exporter))
+    try:
+        params = SamplingParams(n=3, use_beam_search=True, max_tokens=8, ignore_eos=True)
+        outs = [o async for o in engine.add_request(GOLDEN_PROMPT_IDS, params, "beam")]
+        assert sorted(o.index for o in outs) == [0, 1, 2] and sum(o.num_output_tokens for o in outs) == 24
+        (span,) = [s for s in exporter.get_finished_spans() if s.name == "llm_request"]
+        assert span.attributes["gen_ai.usage.output_tokens"] == 24
+    finally:
+        await engine.shutdown()
+
+
 async def test_the_api_passes_the_traceparent_header_to_the_request_span(stories260k):
     exporter = InMemorySpanExporter()
     engine = await Engine.start(EngineConfig(model=str(stories260k), num_gpu_blocks=16, swap_space=0.001),

@@ -109,11 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(args.repeats):
         run_paged = lambda: asyncio.run(run_in_process(config, requests, seed=args.seed, progress=False,  # noqa: E731
                                                        desc="pagedkv", account_kv_every_step=False))
+        run_hf = lambda: [run_transformers(args.model, prompts, max_tokens, b,  # noqa: E731
+                                           load_format=args.load_format) for b in batch_sizes]
         if i % 2 == 0:
-            paged = run_paged()
-            hf = [run_transformers(args.model, prompts, max_tokens, b, load_format=args.load_format) for b in batch_sizes]
+            paged, hf = run_paged(), run_hf()
         else:
-            hf = [run_transformers(args.model, prompts, max_tokens, b, load_format=args.load_format) for b in batch_sizes]
+            hf = run_hf()
             paged = run_paged()
         paged.pop("samples", None)
         rounds.append((paged, hf))

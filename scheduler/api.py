@@ -33,7 +33,7 @@ import re
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -450,6 +450,7 @@ class _Generation:
         self.cached_tokens = [0] * len(prompts)
         self.prompt_logprobs: list[list | None] = [None] * len(prompts)  # per prompt, once its prefill ran
         self.choices = [_Choice() for _ in range(len(prompts) * params.n)]
+        self._num_finished = 0  # choices with a finish reason (`finished`, read for every delta)
         self._pumps: list[asyncio.Task] = []
         try:
             for i, ids in enumerate(prompts):
@@ -497,6 +498,7 @@ class _Generation:
         if out.prompt_logprobs is not None:
             self.prompt_logprobs[prompt_index] = out.prompt_logprobs
         if out.finish_reason is not None:
+            self._num_finished += c.finish_reason is None
             c.finish_reason, c.stop_reason, c.error = out.finish_reason, out.stop_reason, out.error
         self.prompt_tokens[prompt_index] = out.num_prompt_tokens
         self.cached_tokens[prompt_index] = max(self.cached_tokens[prompt_index], out.num_cached_tokens)
@@ -505,7 +507,7 @@ class _Generation:
     @property
     def finished(self) -> bool:
         """Whether every choice has its finish reason (the stream's last delta has been recorded)."""
-        return all(c.finish_reason is not None for c in self.choices)
+        return self._num_finished == len(self.choices)
 
     def usage(self, count_completion: bool = True) -> dict:
         """OpenAI's usage; count_completion False: the outputs were not returned (echo, max_tokens 0)."""
@@ -795,26 +797,18 @@ class _API:
 
         async def events() -> AsyncIterator[bytes]:
             started: set[int] = set()
-            held = b""
             async for idx, out in gen.outputs():
-                if held:
-                    yield held
-                    held = b""
                 if out.finish_reason == "error":
-                    yield _sse(APIError(500, out.error or "generation failed", type="server_error").body()) + _SSE_DONE
+                    yield _sse(APIError(500, out.error or "generation failed", type="server_error").body())
                     return
                 first = idx not in started
                 started.add(idx)
                 if first or out.text or out.logprobs or out.finish_reason:
-                    event = _sse(chunk([piece(idx, out.text, out.logprobs or [], first, out.finish_reason,
-                                               out.stop_reason)]))
-                    if gen.finished:  # the last delta goes out with the usage chunk and [DONE], in one write
-                        held = event
-                    else:
-                        yield event
-            yield held + (_sse(chunk([], gen.usage(not echo_only))) if include_usage else b"") + _SSE_DONE
+                    yield _sse(chunk([piece(idx, out.text, out.logprobs or [], first, out.finish_reason,
+                                            out.stop_reason)]))
 
-        return await _stream(request, gen, events())
+        return await _stream(request, gen, events(),
+                             lambda: _sse(chunk([], gen.usage(not echo_only))) if include_usage else b"")
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/chat/completions (OpenAI "Create chat completion"), via the model's chat template."""
@@ -858,25 +852,16 @@ class _API:
             for i in range(len(gen.choices)):  # OpenAI's first delta of each choice carries the role
                 yield _sse(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                    "logprobs": None, "finish_reason": None}]))
-            held = b""
             async for idx, out in gen.outputs():
-                if held:
-                    yield held
-                    held = b""
                 if out.finish_reason == "error":
-                    yield _sse(APIError(500, out.error or "generation failed", type="server_error").body()) + _SSE_DONE
+                    yield _sse(APIError(500, out.error or "generation failed", type="server_error").body())
                     return
                 if out.text or out.logprobs or out.finish_reason:
-                    event = _sse(chunk([{"index": idx, "delta": {"content": out.text} if out.text else {},
-                                         "logprobs": _chat_logprobs(out.logprobs or []) if req.logprobs else None,
-                                         "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}]))
-                    if gen.finished:  # the last delta goes out with the usage chunk and [DONE], in one write
-                        held = event
-                    else:
-                        yield event
-            yield held + (_sse(chunk([], gen.usage())) if include_usage else b"") + _SSE_DONE
+                    yield _sse(chunk([{"index": idx, "delta": {"content": out.text} if out.text else {},
+                                       "logprobs": _chat_logprobs(out.logprobs or []) if req.logprobs else None,
+                                       "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}]))
 
-        return await _stream(request, gen, events())
+        return await _stream(request, gen, events(), lambda: _sse(chunk([], gen.usage())) if include_usage else b"")
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """POST /tokenize (vLLM): {count, max_model_len, tokens, token_strs}."""
@@ -980,24 +965,32 @@ class _API:
         return web.Response(body=_KV_CACHE_UI, content_type="text/html", charset="utf-8")
 
 
-async def _stream(request: web.Request, gen: _Generation, events: AsyncIterator[bytes]) -> web.StreamResponse:
-    """Send ``events``, SSE bytes whose last ends with ``data: [DONE]``; that one goes out with the end of
-    the chunked body in one write (`write_eof`). A disconnected client aborts the generation."""
+async def _stream(request: web.Request, gen: _Generation, events: AsyncIterator[bytes],
+                  usage_chunk: Callable[[], bytes]) -> web.StreamResponse:
+    """Send ``events`` (SSE bytes, one per delta), then ``usage_chunk()`` unless the generation failed,
+    then ``data: [DONE]``. The last delta is held back and goes out with those and the end of the
+    chunked body in one write (`write_eof`): one send where there were four. A disconnected client
+    aborts the generation."""
     try:
         resp = await _start_sse(request)
         try:
+            held = b""
             async for event in events:
-                if event.endswith(_SSE_DONE):  # JSON escapes newlines: only the real end can end so
-                    await resp.write_eof(event)
+                if held:
+                    await resp.write(held)
+                    held = b""
+                if gen.finished:
+                    held = event
                 else:
                     await resp.write(event)
+            usage = usage_chunk() if _generation_error(gen.choices) is None else b""
+            await resp.write_eof(held + usage + _SSE_DONE)
         except ConnectionResetError:  # the client went away: closing the generation aborts it
             log.info("client disconnected", request_ids=gen.request_ids)
             return resp
         except asyncio.CancelledError:  # the same, noticed by aiohttp's handler cancellation
             log.info("client disconnected", request_ids=gen.request_ids)
             raise
-        await resp.write_eof()
         return resp
     finally:
         await events.aclose()

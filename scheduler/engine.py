@@ -462,6 +462,11 @@ class Engine:
         self._recovering = reason
         log.error("worker failed", error=reason, max_worker_restarts=self.config.max_worker_restarts)
         spawn = self._worker_args.get("spawn", True)
+
+        def trace(end: float, num_requeued: int = 0, error: str | None = None) -> None:
+            if self.tracer is not None:
+                self.tracer.worker_recovery(cause, started, end, self._restarts, attempts, num_requeued, error)
+
         try:
             if spawn:
                 await self.client.close()  # kills a dead or stalled worker for certain
@@ -472,9 +477,7 @@ class Engine:
                     error = (f"{reason} (after {self._restarts} worker restarts, --max-worker-restarts "
                              f"{self.config.max_worker_restarts})")
                     self._fail_all(error)
-                    if self.tracer is not None:
-                        self.tracer.worker_recovery(cause, started, time.monotonic(), self._restarts, attempts, 0,
-                                                    error)
+                    trace(time.monotonic(), error=error)
                     raise _EngineFailed
                 delay = _RESTART_BACKOFF_SECONDS[min(self._restarts, len(_RESTART_BACKOFF_SECONDS) - 1)]
                 self._restarts += 1
@@ -507,16 +510,13 @@ class Engine:
         except asyncio.CancelledError:
             # traced as a recovery that failed: no worker came up, and a worker failure with no span
             # after it would read as a recovery still under way
-            if self.tracer is not None:
-                self.tracer.worker_recovery(cause, started, time.monotonic(), self._restarts, attempts, 0,
-                                            "shut down during the recovery")
+            trace(time.monotonic(), error="shut down during the recovery")
             raise
         self.client = client
         num_requeued = self._requeue_all_for_recompute()
         self._last_restart = time.monotonic()
         self._recovering = None
-        if self.tracer is not None:
-            self.tracer.worker_recovery(cause, started, self._last_restart, self._restarts, attempts, num_requeued)
+        trace(self._last_restart, num_requeued)
         log.info("worker recovered", restart=self._restarts, attempts=attempts, requests_requeued=num_requeued,
                  seconds=round(self._last_restart - started, 3))
 

@@ -55,6 +55,22 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str) -> str:
     return dtype if kv_cache_dtype == "auto" else {"fp8": "fp8_e4m3"}.get(kv_cache_dtype, kv_cache_dtype)
 
 
+def _rope(hf: dict) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from a config.json of either transformers format.
+
+    Before v5: top-level ``rope_theta`` and ``rope_scaling`` (None or a dict with ``rope_type``).
+    From v5 on, one ``rope_parameters`` dict holds ``rope_theta``, ``rope_type`` and the scaling's
+    numbers; a checkpoint saved by v5 has no top-level ``rope_theta``, and reading only that would
+    silently rotate with the wrong frequencies (Llama 3: 500,000, not 10,000).
+    """
+    params = hf.get("rope_parameters")
+    if not isinstance(params, dict):
+        return float(hf.get("rope_theta", 10000.0)), hf.get("rope_scaling")
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    return theta, (None if scaling.get("rope_type", "default") == "default" else scaling)
+
+
 class ModelConfig(msgspec.Struct, frozen=True):
     """The architecture numbers of a Llama-family model (HF ``LlamaConfig`` field names).
 
@@ -84,12 +100,16 @@ class ModelConfig(msgspec.Struct, frozen=True):
     def from_hf_dict(cls, hf: dict, name: str, path: str | None) -> "ModelConfig":
         """Build from a parsed HF ``config.json``.
 
-        Raises ValueError when the architecture is not Llama-family or a required field is missing.
+        Raises ValueError when the architecture is not Llama-family (model_type, or a hidden_act other
+        than silu) or a required field is missing.
         """
         arch = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
         if hf.get("model_type", "llama") not in ("llama", "mistral") and "Llama" not in arch:
             raise ValueError(f"unsupported architecture {arch!r} (model_type {hf.get('model_type')!r}); "
                              "pagedkv serves Llama-family checkpoints")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported: Llama-family MLPs use silu")
+        rope_theta, rope_scaling = _rope(hf)
         try:
             heads = hf["num_attention_heads"]
             hidden = hf["hidden_size"]
@@ -106,8 +126,8 @@ class ModelConfig(msgspec.Struct, frozen=True):
                 vocab_size=hf["vocab_size"],
                 max_position_embeddings=hf.get("max_position_embeddings", 2048),
                 rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-                rope_theta=hf.get("rope_theta", 10000.0),
-                rope_scaling=hf.get("rope_scaling"),
+                rope_theta=rope_theta,
+                rope_scaling=rope_scaling,
                 tie_word_embeddings=hf.get("tie_word_embeddings", False),
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),

@@ -3,6 +3,7 @@ splits, batches, places, copies or swaps the request's KV blocks. Driven with St
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import re
@@ -266,6 +267,30 @@ def test_llama3_rope_scaling_matches_the_reference_formula():
         rope_inv_freq(ModelConfig.from_hf_dict(dict(hf, rope_scaling={"rope_type": "yarn", "factor": 4}), "x", None))
 
 
+def test_transformers_v5_rope_parameters_give_the_same_rotary_frequencies_as_the_legacy_fields():
+    # transformers >= 5 saves one `rope_parameters` dict and no top-level rope_theta / rope_scaling
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    legacy = ModelConfig.from_hf_dict(dict(EMBEDDED_LIKE, head_dim=128, rope_theta=500000.0, rope_scaling=scaling),
+                                      "x", None)
+    v5 = ModelConfig.from_hf_dict(dict(EMBEDDED_LIKE, head_dim=128,
+                                       rope_parameters=dict(scaling, rope_theta=500000.0)), "x", None)
+    assert (v5.rope_theta, v5.rope_scaling) == (500000.0, scaling) == (legacy.rope_theta, legacy.rope_scaling)
+    assert torch.equal(rope_inv_freq(v5), rope_inv_freq(legacy))
+    plain = ModelConfig.from_hf_dict(dict(EMBEDDED_LIKE, rope_parameters={"rope_type": "default",
+                                                                          "rope_theta": 1e6}), "x", None)
+    assert (plain.rope_theta, plain.rope_scaling) == (1e6, None)
+    with pytest.raises(ValueError, match="yarn"):
+        rope_inv_freq(ModelConfig.from_hf_dict(dict(EMBEDDED_LIKE, rope_parameters={
+            "rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}), "x", None))
+
+
+def test_a_hidden_act_other_than_silu_is_refused_by_name():
+    with pytest.raises(ValueError, match="hidden_act 'gelu'"):
+        ModelConfig.from_hf_dict(dict(EMBEDDED_LIKE, hidden_act="gelu"), "x", None)
+    assert ModelConfig.from_hf_dict(dict(EMBEDDED_LIKE, hidden_act="silu"), "x", None).hidden_size == 256
+
+
 HF_STORIES = {"hidden_size": 64, "intermediate_size": 172, "num_hidden_layers": 5, "num_attention_heads": 8,
               "num_key_value_heads": 4, "vocab_size": 512, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
               "tie_word_embeddings": True}
@@ -314,11 +339,11 @@ def test_attention_backend_is_chosen_once_at_load_from_the_config():
     assert runner.cache.kernels is torch_kernels
 
 
-def _hf_logprobs(stories260k, ids: list[int]) -> torch.Tensor:
+def _hf_logprobs(model_dir, ids: list[int]) -> torch.Tensor:
     """transformers' log-softmax ``[len(ids), vocab]`` for the token sequence ``ids`` (the oracle)."""
     import transformers
 
-    model = transformers.LlamaForCausalLM.from_pretrained(str(stories260k), torch_dtype=torch.float32).eval()
+    model = transformers.LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     with torch.no_grad():
         return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
 
@@ -343,6 +368,30 @@ def test_prompt_logprobs_equal_transformers_across_chunks_and_a_batch(stories260
     tops = [t for s in spans for t in s.top_logprobs]
     assert [[tid for tid, _ in t] for t in tops] == ref[:24].topk(3).indices.tolist()
     assert d.output("p") == GOLDEN_OUTPUT_IDS[20:22]  # and it samples as usual from the prompt's end
+
+
+def test_a_checkpoint_saved_by_transformers_v5_rotates_as_transformers_does(stories260k, tmp_path):
+    # stories260K's weights under a v5-style config.json: `rope_parameters` only, Llama 3 scaling
+    # with an original context of 64, so that three of head_dim 8's four frequencies are rescaled
+    hf = json.loads((stories260k / "config.json").read_text())
+    del hf["rope_theta"], hf["rope_scaling"]
+    hf["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    for f in stories260k.iterdir():
+        if f.name != "config.json":
+            (tmp_path / f.name).symlink_to(f)
+    prompt = GOLDEN_PROMPT_IDS + GOLDEN_OUTPUT_IDS[:20]
+    d = Driver(tmp_path)
+    d.add("p", prompt, sampling=SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))
+    d.step({"p": len(prompt)})
+    got = torch.tensor([lp for s in d.last.prompt_logprobs for lp in s.logprobs])
+    ref = _hf_logprobs(tmp_path, prompt)
+    want = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    assert torch.allclose(got, want, atol=1e-4)
+    # and it is not what the legacy default (theta 10,000, no scaling) would give
+    legacy = _hf_logprobs(stories260k, prompt)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    assert (legacy - want).abs().max() > 0.1
 
 
 def test_logit_bias_and_min_tokens_steer_the_sampled_token(stories260k):

@@ -1,7 +1,9 @@
 """Text <-> token ids for the control plane (Hugging Face `tokenizers`, no torch, no transformers).
 
 A checkpoint directory supplies ``tokenizer.json`` (the fast-tokenizer format), and optionally
-``tokenizer_config.json`` (``add_bos_token``, ``bos_token``/``eos_token``, ``chat_template``) and
+``tokenizer_config.json`` (``add_bos_token``, ``bos_token``/``eos_token``, ``chat_template``),
+``chat_template.jinja`` (where current transformers saves the template; it wins over the config's,
+as in transformers) and
 ``generation_config.json`` (extra ``eos_token_id``, merged by `ModelConfig.load`). The embedded default model gets a byte-level
 tokenizer built here: ids 0..255 are the bytes, 256 is ``<s>`` and 257 is ``</s>``, matching
 `common.config.EMBEDDED_HF_CONFIG`.
@@ -110,9 +112,9 @@ class Tokenizer:
 
         BOS is added when tokenizer_config.json's ``add_bos_token`` is true or the tokenizer's own
         post-processor adds it (never twice). chat_template: a template text replacing the
-        checkpoint's (``--chat-template``). Raises FileNotFoundError naming the path when
-        tokenizer.json is missing, ValueError naming the file when it or tokenizer_config.json
-        cannot be read.
+        checkpoint's (``--chat-template``); else ``chat_template.jinja``; else tokenizer_config.json's
+        ``chat_template``. Raises FileNotFoundError naming the path when tokenizer.json is missing,
+        ValueError naming the file when it, tokenizer_config.json or chat_template.jinja cannot be read.
         """
         if model_config.path is None:
             return cls(build_byte_tokenizer(), bos_token_id=256, eos_token_ids=list(model_config.eos_token_ids) or [257],
@@ -138,7 +140,8 @@ class Tokenizer:
         if eos_token is None and eos_ids:
             eos_token = tok.id_to_token(eos_ids[0])
 
-        template = chat_template or cfg.get("chat_template")
+        template = chat_template or _read_text(os.path.join(model_config.path, "chat_template.jinja"))
+        template = template or cfg.get("chat_template")
         if isinstance(template, list):  # HF allows a list of named templates; "default" is the one used
             template = next((t.get("template") for t in template if t.get("name") == "default"), None)
         extra = {k: _token_content(cfg.get(k)) for k in ("unk_token", "pad_token")}
@@ -208,6 +211,17 @@ class Tokenizer:
                 **{k: v for k, v in self._template_vars.items() if v is not None})
         except jinja2.TemplateError as e:
             raise ValueError(f"messages: chat template failed: {e}") from None
+
+
+def _read_text(path: str) -> str | None:
+    """A UTF-8 file's text, or None when there is no such file. Raises ValueError naming the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: cannot be read as UTF-8 text: {e}") from None
 
 
 def _read_json(path: str) -> dict:

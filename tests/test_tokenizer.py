@@ -119,6 +119,31 @@ def test_chat_template_renders_like_transformers(tmp_path, stories260k):
     assert tok.encode(text)[:2] == [1, tok.encode("[", add_special_tokens=False)[0]]  # one BOS, from the template
 
 
+def test_chat_template_jinja_file_wins_over_the_config_and_the_flag_over_both(tmp_path, stories260k):
+    (tmp_path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    tok = _checkpoint_with(tmp_path, stories260k, tokenizer_config={"chat_template": "{{ 'from the config' }}"})
+    assert tok.chat_template == CHAT_TEMPLATE
+    assert Tokenizer.load(ModelConfig.load(str(tmp_path)), "{{ 'flag' }}").chat_template == "{{ 'flag' }}"
+    (tmp_path / "chat_template.jinja").write_bytes(b"\xff{{ x }}")
+    with pytest.raises(ValueError, match=r"chat_template\.jinja: cannot be read as UTF-8"):
+        Tokenizer.load(ModelConfig.load(str(tmp_path)))
+
+
+def test_a_template_saved_by_transformers_renders_as_transformers_renders_it(tmp_path, stories260k):
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(stories260k / "tokenizer.json"), bos_token="<s>",
+                                 eos_token="</s>", chat_template=CHAT_TEMPLATE)
+    hf.save_pretrained(tmp_path)  # the template goes to chat_template.jinja, not tokenizer_config.json
+    assert (tmp_path / "chat_template.jinja").is_file()
+    assert "chat_template" not in json.loads((tmp_path / "tokenizer_config.json").read_text())
+    shutil.copy(stories260k / "config.json", tmp_path / "config.json")
+    tok = Tokenizer.load(ModelConfig.load(str(tmp_path)))
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Once"}]
+    assert tok.apply_chat_template(messages) == hf.apply_chat_template(messages, tokenize=False,
+                                                                        add_generation_prompt=True)
+
+
 def test_chat_template_raise_exception_becomes_value_error(tmp_path, stories260k):
     tok = _checkpoint_with(tmp_path, stories260k, tokenizer_config={"chat_template": CHAT_TEMPLATE})
     with pytest.raises(ValueError, match="^messages: chat template failed: bad role system$"):

@@ -25,7 +25,7 @@ import argparse
 import json
 from dataclasses import asdict, dataclass
 
-from pagedkv.common.config import _DTYPE_BYTES, ModelConfig
+from pagedkv.common.config import _DTYPE_BYTES, ModelConfig, resolve_max_model_len
 
 GIB = 2**30
 DEFAULT_ACTIVATION_RESERVE_GIB = 4.0
@@ -70,7 +70,8 @@ def plan(model: ModelConfig, gpu_memory_gib: float, *, gpu_memory_utilization: f
     such GPUs holding one shard each (see the module docstring); bytes are per device.
 
     dtype: weight dtype ("auto": the checkpoint's torch_dtype); kv_cache_dtype: "auto" follows
-    dtype, "fp8" stores K/V in one byte. context_len (tokens) defaults to max_position_embeddings.
+    dtype, "fp8" stores K/V in one byte. context_len (tokens) defaults to the model's context limit
+    (`resolve_max_model_len`: max_position_embeddings, or a smaller sliding_window).
     Raises ValueError for an unknown dtype, non-positive sizes, a tensor-parallel size the model's heads
     or intermediate size do not divide, or when weights and the activation reserve leave no room for a block.
     """
@@ -80,7 +81,7 @@ def plan(model: ModelConfig, gpu_memory_gib: float, *, gpu_memory_utilization: f
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     dtype = _resolve_dtype(dtype, model)
     kv_dtype = dtype if kv_cache_dtype == "auto" else _resolve_dtype(kv_cache_dtype, model)
-    context_len = model.max_position_embeddings if context_len is None else context_len
+    context_len = resolve_max_model_len(model, None) if context_len is None else context_len
     if context_len < 1:
         raise ValueError(f"context_len must be >= 1, got {context_len}")
     gpu_bytes = int(gpu_memory_gib * GIB)

@@ -95,6 +95,7 @@ class ModelConfig(msgspec.Struct, frozen=True):
     bos_token_id: int | None
     eos_token_ids: list[int]
     torch_dtype: str
+    sliding_window: int | None = None  # Mistral's local attention span (tokens); None: full attention
 
     @classmethod
     def from_hf_dict(cls, hf: dict, name: str, path: str | None) -> "ModelConfig":
@@ -132,6 +133,7 @@ class ModelConfig(msgspec.Struct, frozen=True):
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
                 torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
+                sliding_window=hf.get("sliding_window") if hf.get("use_sliding_window", True) else None,
             )
         except KeyError as e:
             raise ValueError(f"config.json is missing required field {e.args[0]!r}") from None
@@ -273,15 +275,20 @@ def weight_files(model_dir: str) -> list[str]:
 
 
 def resolve_max_model_len(model: ModelConfig, requested: int | None) -> int:
-    """The context limit in tokens: the model's ``max_position_embeddings`` unless a smaller one is asked.
+    """The context limit in tokens: the model's limit unless a smaller one is asked.
 
+    The model's limit is ``max_position_embeddings``, or its ``sliding_window`` when that is smaller:
+    pagedkv attends to the whole context, which equals windowed attention only while the context
+    fits in the window (vLLM's ``--disable-sliding-window`` caps the length the same way).
     Raises ValueError when ``requested`` exceeds the model's limit or is < 1.
     """
+    limit, why = model.max_position_embeddings, "max_position_embeddings"
+    if model.sliding_window is not None and model.sliding_window < limit:
+        limit, why = model.sliding_window, "sliding_window (pagedkv attends to the whole context, not a window)"
     if requested is None:
-        return model.max_position_embeddings
-    if requested < 1 or requested > model.max_position_embeddings:
-        raise ValueError(f"--max-model-len {requested} must be between 1 and the model's "
-                         f"max_position_embeddings ({model.max_position_embeddings})")
+        return limit
+    if requested < 1 or requested > limit:
+        raise ValueError(f"--max-model-len {requested} must be between 1 and the model's {why}: {limit}")
     return requested
 
 

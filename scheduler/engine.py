@@ -162,6 +162,10 @@ class Engine:
             preemption_mode=config.preemption_mode, swap_space=config.swap_space))
         engine._task = asyncio.create_task(engine._loop(), name="pagedkv-engine-loop")
         engine._advice_task = asyncio.create_task(engine._advise(), name="pagedkv-advice")
+        if config.max_model_len is None and engine.max_model_len == model_config.sliding_window:
+            log.warning("max_model_len capped at the model's sliding_window: pagedkv attends to the whole context",
+                        sliding_window=model_config.sliding_window,
+                        max_position_embeddings=model_config.max_position_embeddings)
         log.info("engine started", model=model_config.name, random_weights=engine.random_weights,
                  device=hello.device, dtype=hello.dtype, kv_cache_dtype=hello.kv_cache_dtype, world_size=config.tensor_parallel_size,
                  block_size=config.block_size,

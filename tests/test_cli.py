@@ -45,7 +45,7 @@ BAD_FLAGS = [
     (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
     (["--model", "/"], "pagedkv serve: error: --model /: not a Hugging Face checkpoint directory (no config.json)"),
     (["--max-model-len", "100000"], "--max-model-len 100000 must be between 1 and the model's "
-                                    "max_position_embeddings (2048)"),
+                                    "max_position_embeddings: 2048"),
     (["--external-worker"], "--external-worker needs --worker-address"),
     (["--worker-address", "localhost:5555"], "--worker-address must start with ipc:// or tcp://"),
     (["--external-worker", "--worker-address", "tcp://127.0.0.1:5555"],

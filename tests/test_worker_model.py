@@ -13,7 +13,7 @@ import torch
 from conftest import GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS
 from safetensors.torch import load_file, save_file
 
-from pagedkv.common.config import EngineConfig, ModelConfig
+from pagedkv.common.config import EngineConfig, ModelConfig, resolve_max_model_len
 from pagedkv.common.protocol import CachedRequestData, NewRequestData, StepPlan
 from pagedkv.common.sampling_params import SamplingParams
 from pagedkv.worker.cache_engine import CacheEngine
@@ -283,6 +283,21 @@ def test_transformers_v5_rope_parameters_give_the_same_rotary_frequencies_as_the
     with pytest.raises(ValueError, match="yarn"):
         rope_inv_freq(ModelConfig.from_hf_dict(dict(EMBEDDED_LIKE, rope_parameters={
             "rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}), "x", None))
+
+
+def test_a_sliding_window_smaller_than_the_positions_caps_max_model_len():
+    # Mistral 7B v0.1: a 4,096-token window over 32,768 positions; full attention equals it inside the window
+    mistral = ModelConfig.from_hf_dict(dict(EMBEDDED_LIKE, model_type="mistral", max_position_embeddings=32768,
+                                            sliding_window=4096), "x", None)
+    assert resolve_max_model_len(mistral, None) == 4096
+    assert resolve_max_model_len(mistral, 4096) == 4096
+    with pytest.raises(ValueError, match=r"^--max-model-len 4097 must be between 1 and the model's sliding_window "
+                                         r"\(pagedkv attends to the whole context, not a window\): 4096$"):
+        resolve_max_model_len(mistral, 4097)
+    for hf in (dict(sliding_window=None), dict(sliding_window=4096, use_sliding_window=False),  # Qwen2's switch
+               dict(sliding_window=65536)):  # larger than the positions: no cap
+        assert resolve_max_model_len(ModelConfig.from_hf_dict(dict(EMBEDDED_LIKE, max_position_embeddings=32768,
+                                                                   **hf), "x", None), None) == 32768
 
 
 def test_a_hidden_act_other_than_silu_is_refused_by_name():

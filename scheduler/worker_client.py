@@ -98,6 +98,20 @@ def _free_loopback_port() -> int:
         return s.getsockname()[1]
 
 
+async def _reap(process: subprocess.Popen, timeout: float | None = None) -> bool:
+    """Wait for a spawned rank to exit, polling; returns False if ``timeout`` seconds pass first.
+
+    No executor thread: `LLM.shutdown` runs this from ``atexit``, when a new thread pool can no
+    longer be created.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while process.poll() is None:
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
+
+
 class WorkerClient:
     """The worker ranks (``config.tensor_parallel_size`` of them, one process each) behind a ROUTER socket.
 
@@ -455,7 +469,7 @@ class WorkerClient:
             if process.poll() is None:
                 process.kill()
         for process in self.processes:
-            await asyncio.get_running_loop().run_in_executor(None, process.wait)
+            await _reap(process)
 
     async def close(self) -> None:
         """Ask every rank to exit, then make sure the spawned ones did; release the socket. Idempotent."""
@@ -469,9 +483,7 @@ class WorkerClient:
         if self.failed is not None:
             await self.kill()  # died or missed a deadline: do not wait for a rank stuck in a collective to notice
         for process in self.processes:
-            try:
-                await asyncio.get_running_loop().run_in_executor(None, process.wait, 10)
-            except subprocess.TimeoutExpired:
+            if not await _reap(process, timeout=10):
                 process.kill()
                 process.wait()
         if self._monitor is not None:

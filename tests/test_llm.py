@@ -21,6 +21,20 @@ def test_import_pagedkv_is_light_and_loads_the_api_on_first_use():
     assert out.stdout == "pagedkv.scheduler.llm\n"
 
 
+def test_a_script_that_never_calls_shutdown_exits_cleanly_and_leaves_no_worker(stories260k):
+    # the engine then shuts down from atexit, where a thread pool can no longer be started
+    code = ("from pagedkv import LLM, SamplingParams; import os; "
+            f"llm = LLM(model={str(stories260k)!r}, num_gpu_blocks=64, swap_space=0.01); "
+            "out = llm.generate(['Once upon a time'], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False); "
+            "print(out[0].outputs[0].token_ids, llm.engine.client.processes[0].pid)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "Traceback" not in out.stderr and "Exception ignored" not in out.stderr, out.stderr
+    ids, pid = out.stdout.rsplit("]", 1)
+    assert ids + "]" == str(GOLDEN_OUTPUT_IDS[:5])
+    assert not Path(f"/proc/{int(pid)}").exists()  # reaped, not left running or a zombie
+
+
 @pytest.fixture(scope="module")
 def llm(stories260k):
     from pagedkv import LLM

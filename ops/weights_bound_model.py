@@ -3,16 +3,19 @@
 16 layers, hidden 1024, intermediate 2816, 16 heads (GQA 4 KV heads), stories260K's 512-token
 tokenizer (copied from the shared test model; no weights are written: serve it with
 ``--load-format dummy``). At fp32 a decode step reads ~0.8 GB of weights, so reading weights,
-not per-request work, dominates a step, as on a GPU.
+not per-request work, dominates a step, as on a GPU. ``--weights`` also writes random weights
+(``model.safetensors``, 0.7 GB, seed 0) for servers that cannot make their own, such as
+``transformers serve``.
 
-    python ops/weights_bound_model.py /tmp/llama-200m   # prints the directory
+    python ops/weights_bound_model.py /tmp/llama-200m             # prints the directory
+    python ops/weights_bound_model.py /tmp/llama-200m-w --weights
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
-import sys
 from pathlib import Path
 
 STORIES = Path(__file__).resolve().parents[2] / "shared/models/stories260K"
@@ -23,12 +26,43 @@ CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_
           "torch_dtype": "float32"}
 
 
+def random_weights(config: dict, seed: int = 0) -> dict:
+    """Hugging Face Llama tensors for ``config``: float32, N(0, 0.02) matrices (transformers' default
+    initializer_range) and RMSNorm weights of one; no ``lm_head`` when the embeddings are tied."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    h, i, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    q, kv = config["num_attention_heads"] * config["head_dim"], config["num_key_value_heads"] * config["head_dim"]
+    shapes = {"model.embed_tokens.weight": (v, h)}
+    for n in range(config["num_hidden_layers"]):
+        p = f"model.layers.{n}."
+        shapes |= {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                   p + "mlp.down_proj.weight": (h, i)}
+    if not config["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (v, h)
+    tensors = {name: torch.randn(shape, generator=g) * 0.02 for name, shape in shapes.items()}
+    norms = [f"model.layers.{n}.{k}.weight" for n in range(config["num_hidden_layers"])
+             for k in ("input_layernorm", "post_attention_layernorm")] + ["model.norm.weight"]
+    return tensors | {name: torch.ones(h) for name in norms}
+
+
 def main() -> None:
-    out = Path(sys.argv[1] if len(sys.argv) > 1 else "llama-200m")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", nargs="?", default="llama-200m", help="the directory to write")
+    p.add_argument("--weights", action="store_true", help="also write random weights (model.safetensors)")
+    args = p.parse_args()
+    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
         shutil.copy(STORIES / name, out / name)
     (out / "config.json").write_text(json.dumps(CONFIG, indent=1))
+    if args.weights:
+        from safetensors.torch import save_file
+
+        save_file(random_weights(CONFIG), str(out / "model.safetensors"), metadata={"format": "pt"})
     print(out)
 
 

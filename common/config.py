@@ -267,8 +267,23 @@ def read_json(path: str):
 
 
 def weight_files(model_dir: str) -> list[str]:
-    """The checkpoint's ``*.safetensors`` files, sorted. Raises FileNotFoundError naming the directory when none."""
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    """The checkpoint's ``*.safetensors`` files, sorted: those ``model.safetensors.index.json`` maps
+    tensors to when it exists (as transformers and vLLM read them), else every one in the directory.
+
+    The index matters where a directory holds other weights beside the Hugging Face shards (Mistral's
+    repositories add ``consolidated.safetensors`` in Mistral's own names). Raises FileNotFoundError
+    naming the directory when none or a file the index names is absent, ValueError naming the index
+    when it is not valid JSON.
+    """
+    index = read_json(os.path.join(model_dir, "model.safetensors.index.json"))
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if isinstance(weight_map, dict) and weight_map:
+        files = sorted({os.path.join(model_dir, f) for f in weight_map.values()})
+        if absent := [f for f in files if not os.path.isfile(f)]:
+            raise FileNotFoundError(f"{model_dir}: model.safetensors.index.json names {len(absent)} missing "
+                                    f"file(s): {', '.join(os.path.basename(f) for f in absent[:3])}")
+    else:
+        files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"{model_dir}: no *.safetensors weights (use --load-format dummy for random weights)")
     return files

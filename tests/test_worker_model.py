@@ -13,7 +13,7 @@ import torch
 from conftest import GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS
 from safetensors.torch import load_file, save_file
 
-from pagedkv.common.config import EngineConfig, ModelConfig, resolve_max_model_len
+from pagedkv.common.config import EngineConfig, ModelConfig, resolve_max_model_len, weight_files
 from pagedkv.common.protocol import CachedRequestData, NewRequestData, StepPlan
 from pagedkv.common.sampling_params import SamplingParams
 from pagedkv.worker.cache_engine import CacheEngine
@@ -474,3 +474,46 @@ def test_penalty_statistics_follow_tokens_through_steps_and_row_moves(stories260
     assert got.output_counts[0].sum() == 11 and got.prompt_mask[0].sum() == 3  # prompt [1, 403, 407, 403]
     assert got.output_index.tolist() == [11, 11] and got.seeds.tolist() == [5, 0]
     assert got.repetition_penalty.tolist() == pytest.approx([1.3, 1.0])
+
+
+def _hf_checkpoint(path, max_shard_size=None, **config):
+    """A tiny random Llama saved by transformers into ``path`` (its own layout); returns the model, the oracle."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(**{"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                                      "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
+                                      "max_position_embeddings": 128, **config})
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # wider than the 0.02 init, so greedy choices are not near-ties
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(str(path), **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    return model
+
+
+def _hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    """n greedy tokens after ``ids`` by transformers (argmax of the full forward, no EOS stop)."""
+    ids = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[-n:]
+
+
+def test_a_sharded_checkpoint_loads_the_shards_its_index_names_not_every_safetensors_file(tmp_path):
+    model = _hf_checkpoint(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file() and len(list(tmp_path.glob("model-*"))) > 2
+    # Mistral's repositories ship their own-format weights beside the HF shards; the index leaves them out
+    save_file({"layers.0.attention.wq.weight": torch.zeros(32, 32)}, str(tmp_path / "consolidated.safetensors"))
+    prompt = [1, 17, 99, 5, 42]
+    d = Driver(tmp_path, block_size=4)
+    d.add("a", prompt, sampling=SamplingParams(temperature=0.0, max_tokens=10))
+    d.step({"a": 5})
+    d.decode(["a"], 9)
+    assert d.output("a") == _hf_greedy(model, prompt, 10)
+    shard = sorted(tmp_path.glob("model-*"))[1]
+    shard.unlink()
+    with pytest.raises(FileNotFoundError, match=f"names 1 missing file.*{shard.name}"):
+        weight_files(str(tmp_path))

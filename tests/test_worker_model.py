@@ -517,3 +517,27 @@ def test_a_sharded_checkpoint_loads_the_shards_its_index_names_not_every_safeten
     shard.unlink()
     with pytest.raises(FileNotFoundError, match=f"names 1 missing file.*{shard.name}"):
         weight_files(str(tmp_path))
+
+
+def test_a_stored_lm_head_unlike_the_embedding_is_kept_under_tie_word_embeddings(tmp_path):
+    # config says tied, the file holds a trained head of its own: transformers 5 keeps it, so must we
+    _hf_checkpoint(tmp_path, tie_word_embeddings=True)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    assert "lm_head.weight" not in tensors
+    tensors["lm_head.weight"] = torch.randn(tensors["model.embed_tokens.weight"].shape, generator=torch.Generator().manual_seed(1))
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    import transformers
+
+    oracle = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    assert not torch.equal(oracle.lm_head.weight, oracle.model.embed_tokens.weight)
+    prompt = [1, 17, 99, 5, 42]
+    d = Driver(tmp_path, block_size=4)
+    d.add("a", prompt, sampling=SamplingParams(temperature=0.0, max_tokens=10))
+    d.step({"a": 5})
+    d.decode(["a"], 9)
+    assert d.output("a") == _hf_greedy(oracle, prompt, 10)
+    # an equal stored head is tied, as before
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    model = load_model(ModelConfig.load(str(tmp_path)), EngineConfig(), CPU, torch.float32)
+    assert model.lm_head.weight is model.model.embed_tokens.weight

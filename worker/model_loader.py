@@ -39,7 +39,9 @@ def load_model(model_config: ModelConfig, engine_config: EngineConfig, device: t
     ``load_format`` "auto" reads every ``*.safetensors`` shard in ``model_config.path`` (HF names);
     "dummy", or the embedded default (path None), draws N(0, 0.02) weights from a generator
     seeded with ``engine_config.seed`` (norm weights 1), reproducible on a given device.
-    Embeddings are tied when ``tie_word_embeddings`` is set or the checkpoint has no ``lm_head.weight``.
+    Embeddings are tied when the checkpoint has no ``lm_head.weight``, or has one equal to the embedding
+    and ``tie_word_embeddings`` is set (a different one is kept, as transformers v5 keeps it; dummy
+    weights follow ``tie_word_embeddings``).
     The checkpoint's q/k/v_proj and gate/up_proj fill their row blocks of the fused ``qkv_proj`` and
     ``gate_up_proj`` (`checkpoint_tensors`).
     A rank reads only its slices of the split tensors (safetensors ``get_slice``); dummy weights are
@@ -160,7 +162,10 @@ def _load_safetensors(model: LlamaForCausalLM, config: ModelConfig, full_shapes:
                                      f"config.json implies {tuple(full_shapes[name])}")
                 params[name].copy_(_take(stored, shard_of(name, config, tp)))
                 loaded.add(name)
-    tie = config.tie_word_embeddings or "lm_head.weight" not in loaded
+    # tie_word_embeddings ties only an LM head the checkpoint lacks or stores equal to the embedding:
+    # stored different values are the trained head, and transformers (v5) keeps them untied too
+    tie = "lm_head.weight" not in loaded or (config.tie_word_embeddings and torch.equal(
+        model.lm_head.weight, model.model.embed_tokens.weight))
     missing = sorted(set(params) - loaded - ({"lm_head.weight"} if tie else set()))
     if missing:
         raise ValueError(f"checkpoint {config.path!r} is missing {len(missing)} tensor(s): {', '.join(missing[:5])}")

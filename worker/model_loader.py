@@ -36,7 +36,8 @@ def load_model(model_config: ModelConfig, engine_config: EngineConfig, device: t
     The backend is ``engine_config.attention_backend`` ("triton" | "cpu" | "torch"), else Triton on
     CUDA and `kernels.cpu_kernels` elsewhere (`kernels.select_backend`); ``model.kernels`` holds it.
 
-    ``load_format`` "auto" reads every ``*.safetensors`` shard in ``model_config.path`` (HF names);
+    ``load_format`` "auto" reads the checkpoint's ``*.safetensors`` shards (`common.config.weight_files`: those
+    ``model.safetensors.index.json`` names, else every one in ``model_config.path``; HF names);
     "dummy", or the embedded default (path None), draws N(0, 0.02) weights from a generator
     seeded with ``engine_config.seed`` (norm weights 1), reproducible on a given device.
     Embeddings are tied when the checkpoint has no ``lm_head.weight``, or has one equal to the embedding

@@ -493,6 +493,18 @@ def _hf_checkpoint(path, max_shard_size=None, **config):
     return model
 
 
+GREEDY_PROMPT = [1, 17, 99, 5, 42]
+
+
+def _greedy(model_dir, ids: list[int], n: int) -> list[int]:
+    """n greedy tokens after ``ids`` by pagedkv's worker (a prefill, then n - 1 decode steps)."""
+    d = Driver(model_dir, block_size=4)
+    d.add("a", ids, sampling=SamplingParams(temperature=0.0, max_tokens=n))
+    d.step({"a": len(ids)})
+    d.decode(["a"], n - 1)
+    return d.output("a")
+
+
 def _hf_greedy(model, ids: list[int], n: int) -> list[int]:
     """n greedy tokens after ``ids`` by transformers (argmax of the full forward, no EOS stop)."""
     ids = list(ids)
@@ -507,12 +519,7 @@ def test_a_sharded_checkpoint_loads_the_shards_its_index_names_not_every_safeten
     assert (tmp_path / "model.safetensors.index.json").is_file() and len(list(tmp_path.glob("model-*"))) > 2
     # Mistral's repositories ship their own-format weights beside the HF shards; the index leaves them out
     save_file({"layers.0.attention.wq.weight": torch.zeros(32, 32)}, str(tmp_path / "consolidated.safetensors"))
-    prompt = [1, 17, 99, 5, 42]
-    d = Driver(tmp_path, block_size=4)
-    d.add("a", prompt, sampling=SamplingParams(temperature=0.0, max_tokens=10))
-    d.step({"a": 5})
-    d.decode(["a"], 9)
-    assert d.output("a") == _hf_greedy(model, prompt, 10)
+    assert _greedy(tmp_path, GREEDY_PROMPT, 10) == _hf_greedy(model, GREEDY_PROMPT, 10)
     shard = sorted(tmp_path.glob("model-*"))[1]
     shard.unlink()
     with pytest.raises(FileNotFoundError, match=f"names 1 missing file.*{shard.name}"):
@@ -530,12 +537,7 @@ def test_a_stored_lm_head_unlike_the_embedding_is_kept_under_tie_word_embeddings
 
     oracle = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
     assert not torch.equal(oracle.lm_head.weight, oracle.model.embed_tokens.weight)
-    prompt = [1, 17, 99, 5, 42]
-    d = Driver(tmp_path, block_size=4)
-    d.add("a", prompt, sampling=SamplingParams(temperature=0.0, max_tokens=10))
-    d.step({"a": 5})
-    d.decode(["a"], 9)
-    assert d.output("a") == _hf_greedy(oracle, prompt, 10)
+    assert _greedy(tmp_path, GREEDY_PROMPT, 10) == _hf_greedy(oracle, GREEDY_PROMPT, 10)
     # an equal stored head is tied, as before
     tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})

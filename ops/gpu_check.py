@@ -60,14 +60,20 @@ def check_kernels() -> bool:
         args = (q, k, v, tables.to(dev), torch.tensor(seq_lens, dtype=torch.int32, device=dev), qsl, head_dim ** -0.5)
         want = reference.paged_attention(*args).float()
         hint = dict(max_query_len=max(q_lens), max_seq_len=max(seq_lens))
+        t0 = time.perf_counter()
+        errs = []
         for name, got in (("no hint", triton_kernels.paged_attention(*args)),
                           ("hint", triton_kernels.paged_attention(*args, **hint)),
                           ("batched torch", reference.batched_paged_attention(*args))):
             err = (got.float() - want).abs().max().item()
             good = err <= ATOL[dtype]
             ok &= good
-            if not good:
-                print(f"  FAIL attention {name} trial {trial} {dtype} err {err:.2e}")
+            errs.append(f"{name} {err:.1e}{'' if good else ' FAIL'}")
+        # one line per trial, flushed: a run cut short by its timeout still shows how far it got
+        # (the first trial of each dtype/head_dim/block_size pays Triton's compile)
+        print(f"  trial {trial:2d} {str(dtype)[6:]:8s} heads {heads}/{kv_heads} d {head_dim} bs {bs} "
+              f"{len(q_lens)} seqs, max ctx {max(seq_lens)}: {', '.join(errs)} ({time.perf_counter() - t0:.1f} s)",
+              flush=True)
     # copy_blocks: a chain and a cycle, destination also a source, mapping on host and on device
     for on_device in (False, True):
         kc = [torch.randn(10, 16, 8, 128, device=dev, dtype=torch.bfloat16) for _ in range(3)]
@@ -95,15 +101,21 @@ def anatomy(config_dir: str, grid: list[tuple[int, int]], steps: int) -> list[di
     max_seqs = max(b for b, _ in grid)
     cfg = EngineConfig(model=config_dir, load_format="dummy", max_num_seqs=max_seqs, max_model_len=max_ctx,
                        enforce_eager=True)
+    t0 = time.perf_counter()
     runner = ModelRunner(cfg, dev, torch.bfloat16, ModelConfig.load(config_dir))
+    print(f"  model built (dummy weights): {time.perf_counter() - t0:.1f} s", flush=True)
+    t0 = time.perf_counter()
     runner.warm_up()
+    print(f"  kernels warmed up: {time.perf_counter() - t0:.1f} s", flush=True)
     runner.init_cache(max(b * -(-(c + steps + 1) // 16) for b, c in grid) + 8, 0)  # one grid point at a time
     rows = []
     greedy = SamplingParams(temperature=0.0, max_tokens=steps + 4)
     for graphs in (False, True):
         runner.graphs = None
         if graphs:
+            t0 = time.perf_counter()
             runner.init_decode_graphs()
+            print(f"  decode graphs captured: {time.perf_counter() - t0:.1f} s", flush=True)
         for batch, ctx in grid:
             nb = -(-(ctx + steps + 1) // 16)
             news = [NewRequestData(f"r{i}", [(i + j) % 1000 for j in range(ctx)], ctx,

@@ -55,20 +55,29 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str) -> str:
     return dtype if kv_cache_dtype == "auto" else {"fp8": "fp8_e4m3"}.get(kv_cache_dtype, kv_cache_dtype)
 
 
+# RoPE variants `worker.model.rope_inv_freq` computes ("rope_type" of rope_scaling / rope_parameters)
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
 def _rope(hf: dict) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling) from a config.json of either transformers format.
 
     Before v5: top-level ``rope_theta`` and ``rope_scaling`` (None or a dict with ``rope_type``).
     From v5 on, one ``rope_parameters`` dict holds ``rope_theta``, ``rope_type`` and the scaling's
     numbers; a checkpoint saved by v5 has no top-level ``rope_theta``, and reading only that would
-    silently rotate with the wrong frequencies (Llama 3: 500,000, not 10,000).
+    silently rotate with the wrong frequencies (Llama 3: 500,000, not 10,000). Raises ValueError
+    for a type outside `ROPE_TYPES`, here rather than when the worker builds the model.
     """
     params = hf.get("rope_parameters")
-    if not isinstance(params, dict):
-        return float(hf.get("rope_theta", 10000.0)), hf.get("rope_scaling")
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    return theta, (None if scaling.get("rope_type", "default") == "default" else scaling)
+    if isinstance(params, dict):
+        theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta, scaling = float(hf.get("rope_theta", 10000.0)), hf.get("rope_scaling")
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES[1:])})")
+    return theta, (None if kind == "default" else scaling)
 
 
 class ModelConfig(msgspec.Struct, frozen=True):
@@ -101,8 +110,8 @@ class ModelConfig(msgspec.Struct, frozen=True):
     def from_hf_dict(cls, hf: dict, name: str, path: str | None) -> "ModelConfig":
         """Build from a parsed HF ``config.json``.
 
-        Raises ValueError when the architecture is not Llama-family (model_type, or a hidden_act other
-        than silu) or a required field is missing.
+        Raises ValueError when the architecture is not Llama-family (model_type, a hidden_act other
+        than silu, a RoPE scaling outside `ROPE_TYPES`) or a required field is missing.
         """
         arch = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
         if hf.get("model_type", "llama") not in ("llama", "mistral") and "Llama" not in arch:

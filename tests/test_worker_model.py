@@ -280,9 +280,8 @@ def test_transformers_v5_rope_parameters_give_the_same_rotary_frequencies_as_the
     plain = ModelConfig.from_hf_dict(dict(EMBEDDED_LIKE, rope_parameters={"rope_type": "default",
                                                                           "rope_theta": 1e6}), "x", None)
     assert (plain.rope_theta, plain.rope_scaling) == (1e6, None)
-    with pytest.raises(ValueError, match="yarn"):
-        rope_inv_freq(ModelConfig.from_hf_dict(dict(EMBEDDED_LIKE, rope_parameters={
-            "rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}), "x", None))
+    with pytest.raises(ValueError, match=r"^rope_scaling type 'yarn' is not supported \(supported: linear, llama3\)$"):
+        ModelConfig.from_hf_dict(dict(EMBEDDED_LIKE, rope_parameters={"rope_type": "yarn", "factor": 4.0}), "x", None)
 
 
 def test_a_sliding_window_smaller_than_the_positions_caps_max_model_len():
@@ -385,13 +384,17 @@ def test_prompt_logprobs_equal_transformers_across_chunks_and_a_batch(stories260
     assert d.output("p") == GOLDEN_OUTPUT_IDS[20:22]  # and it samples as usual from the prompt's end
 
 
-def test_a_checkpoint_saved_by_transformers_v5_rotates_as_transformers_does(stories260k, tmp_path):
-    # stories260K's weights under a v5-style config.json: `rope_parameters` only, Llama 3 scaling
-    # with an original context of 64, so that three of head_dim 8's four frequencies are rescaled
+@pytest.mark.parametrize("rope", [
+    # Llama 3 scaling with an original context of 64: three of head_dim 8's four frequencies are rescaled
+    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+    {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},  # position interpolation
+], ids=["llama3", "linear"])
+def test_a_checkpoint_saved_by_transformers_v5_rotates_as_transformers_does(stories260k, tmp_path, rope):
+    # stories260K's weights under a v5-style config.json: `rope_parameters` only
     hf = json.loads((stories260k / "config.json").read_text())
     del hf["rope_theta"], hf["rope_scaling"]
-    hf["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    hf["rope_parameters"] = rope
     (tmp_path / "config.json").write_text(json.dumps(hf))
     for f in stories260k.iterdir():
         if f.name != "config.json":

@@ -17,7 +17,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from pagedkv.common.config import ModelConfig
+from pagedkv.common.config import ROPE_TYPES, ModelConfig
 from pagedkv.kernels import fp8, reference
 from pagedkv.worker.parallel import TensorParallel
 
@@ -44,10 +44,12 @@ class AttentionMetadata:
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """RoPE inverse frequencies ``[head_dim // 2]`` float32 on CPU (Su et al. 2021, RoFormer).
 
-    ``rope_scaling`` of type "llama3" rescales the low and medium frequencies as Meta's Llama 3.1
-    reference and HF's ``_compute_llama3_parameters`` do. Raises ValueError for another scaling
-    type or a llama3 entry missing one of factor / low_freq_factor / high_freq_factor /
-    original_max_position_embeddings.
+    ``rope_scaling`` of type "linear" divides every frequency by ``factor`` (position interpolation,
+    Chen et al. 2023; HF's ``_compute_linear_scaling_rope_parameters``); "llama3" rescales the low and
+    medium frequencies as Meta's Llama 3.1 reference and HF's ``_compute_llama3_parameters`` do.
+    Raises ValueError for another scaling type (`common.config.ROPE_TYPES`) or an entry missing one
+    of its numbers (factor; for llama3 also low_freq_factor / high_freq_factor /
+    original_max_position_embeddings).
     """
     d = config.head_dim
     # explicitly on CPU: under load_model's meta-device context, meta arithmetic imports torch._dynamo (~3 s)
@@ -56,13 +58,16 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind == "default":
         return inv
-    if kind != "llama3":
-        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: llama3)")
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES[1:])})")
     try:
-        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        factor = scaling["factor"]
+        if kind == "linear":
+            return inv / factor
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
         old_len = scaling["original_max_position_embeddings"]
     except KeyError as e:
-        raise ValueError(f"rope_scaling of type llama3 is missing {e.args[0]!r}") from None
+        raise ValueError(f"rope_scaling of type {kind} is missing {e.args[0]!r}") from None
     wavelen = 2 * math.pi / inv
     low_wavelen, high_wavelen = old_len / low, old_len / high
     scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)  # long wavelengths: divide

@@ -1,8 +1,8 @@
 """Write a ~200M-parameter Llama-architecture model directory for weights-bound benchmarks (dummy weights).
 
 16 layers, hidden 1024, intermediate 2816, 16 heads (GQA 4 KV heads), stories260K's 512-token
-tokenizer (copied from the shared test model; no weights are written: serve it with
-``--load-format dummy``). At fp32 a decode step reads ~0.8 GB of weights, so reading weights,
+tokenizer (copied from the shared test model). No weights are written unless ``--weights``: serve
+it with ``--load-format dummy``. At fp32 a decode step reads ~0.8 GB of weights, so reading weights,
 not per-request work, dominates a step, as on a GPU. ``--weights`` also writes random weights
 (``model.safetensors``, 0.7 GB, seed 0) for servers that cannot make their own, such as
 ``transformers serve``.

@@ -542,11 +542,7 @@ class _Generation:
             self.engine.abort(rid)
 
 
-async def _start_sse(request: web.Request) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                       "X-Accel-Buffering": "no"})
-    await resp.prepare(request)
-    return resp
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def _sse(obj: Any) -> bytes:
@@ -970,10 +966,12 @@ async def _stream(request: web.Request, gen: _Generation, events: AsyncIterator[
     """Send ``events`` (SSE bytes, one per delta), then ``usage_chunk()`` unless the generation failed,
     then ``data: [DONE]``. The last delta is held back and goes out with those and the end of the
     chunked body in one write (`write_eof`): one send where there were four. A disconnected client
-    aborts the generation."""
+    aborts the generation, also one gone before the headers could be sent (a benchmark client cut
+    off at its deadline): that is a client's choice, logged at info, not a server error."""
+    resp = web.StreamResponse(headers=_SSE_HEADERS)
     try:
-        resp = await _start_sse(request)
         try:
+            await resp.prepare(request)
             held = b""
             async for event in events:
                 if held:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import re
 
@@ -548,6 +549,25 @@ async def test_client_disconnect_mid_stream_aborts_and_frees_every_block(http, p
     assert snap["usage"] == 0.0
     text = await (await http.get("/metrics")).text()
     assert _aborted(text) == _aborted(metrics_before) + (1 if isinstance(prompt, str) else 2)
+
+
+async def test_a_client_gone_before_the_stream_starts_is_aborted_without_a_server_error(http, base_url, caplog):
+    # a benchmark client cut off at its deadline: the request arrives, the connection is already closed
+    metrics_before = await (await http.get("/metrics")).text()
+    host, port = base_url.removeprefix("http://").split(":")
+    body = json.dumps({**GREEDY_60, "max_tokens": 200, "ignore_eos": True, "stream": True}).encode()
+    with caplog.at_level(logging.INFO):
+        for _ in range(3):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+            writer.close()
+            await writer.wait_closed()
+        snap = await wait_all_blocks_free(http)
+    assert snap["num_free_blocks"] == NUM_GPU_BLOCKS
+    assert _aborted(await (await http.get("/metrics")).text()) == _aborted(metrics_before) + 3
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
 def _aborted(metrics_text: str) -> float:

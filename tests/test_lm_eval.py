@@ -3,9 +3,11 @@ exactly as transformers would, and chat works through ``--chat-template``.
 
 lm-eval's ``local-completions`` model asks for ``{"echo": true, "logprobs": 1, "max_tokens": 1}`` and
 reads the prompt tokens' logprobs; it tokenizes through the server (``tokenizer_backend=remote``:
-/tokenizer_info and /tokenize), so nothing comes from a hub. Two tasks written as local JSONL files
-(tests/data/lm_eval): a loglikelihood task and a multiple-choice task. Every loglikelihood must equal
-transformers' on the same tokens within 1e-4, and the accuracy the one transformers' loglikelihoods give.
+/tokenizer_info and /tokenize), so nothing comes from a hub. Three tasks written as local JSONL files
+(tests/data/lm_eval): a loglikelihood task and a multiple-choice task, where every loglikelihood must
+equal transformers' on the same tokens within 1e-4 and the accuracy the one transformers'
+loglikelihoods give; and a generate_until task (prompt token ids, ``stop`` = until + EOS, greedy), whose
+continuations must be transformers' greedy ones, cut before the stop string.
 """
 
 from __future__ import annotations
@@ -48,12 +50,12 @@ def lm_eval_samples(server, tmp_path_factory) -> dict[str, list[dict]]:
     model_args = (f"model=stories260K,base_url={server.url}/v1/completions,tokenizer_backend=remote,"
                   "tokenized_requests=True,num_concurrent=1,max_retries=1")
     run = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "local-completions",
-                          "--model_args", model_args, "--tasks", "stories_continuation,stories_choice",
+                          "--model_args", model_args, "--tasks", "stories_continuation,stories_choice,stories_generate",
                           "--include_path", str(TASKS), "--output_path", str(out / "results"), "--log_samples"],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     samples = {}
-    for task in ("stories_continuation", "stories_choice"):
+    for task in ("stories_continuation", "stories_choice", "stories_generate"):
         [path] = (out / "results").rglob(f"samples_{task}_*.jsonl")
         samples[task] = sorted((json.loads(line) for line in path.read_text().splitlines()), key=lambda s: s["doc_id"])
     return samples
@@ -108,6 +110,19 @@ def test_multiple_choice_accuracy_equals_the_one_from_transformers(lm_eval_sampl
         correct += max(range(len(want)), key=want.__getitem__) == doc["label"]
         assert float(sample["acc"]) == float(max(range(len(got)), key=got.__getitem__) == doc["label"])
     assert sum(float(s["acc"]) for s in samples) == correct > 0
+
+
+# transformers' greedy continuation of each context's ids (no BOS), cut before the first "." or after
+# 10 tokens; lm-eval applies no stop strings itself here, so the server must leave "." out
+GREEDY_UNTIL_PERIOD = [" loved to play with her toys and", " play with the dog", " a big box with a big bo",
+                       "my said, \"Don't wor", ", there was a little girl named Lily"]
+
+
+def test_generate_until_task_gets_the_greedy_text_cut_before_the_stop_string(lm_eval_samples):
+    samples = lm_eval_samples["stories_generate"]
+    assert [s["doc"]["context"] for s in samples] == [d["context"] for d in _docs("stories_generate")]
+    assert [s["arguments"]["gen_args_0"]["arg_1"]["until"] for s in samples] == [["."]] * 5
+    assert [s["resps"][0][0] for s in samples] == GREEDY_UNTIL_PERIOD
 
 
 def test_serve_with_chat_template_serves_chat_streamed_and_not(server):

@@ -62,7 +62,9 @@ ROPE_TYPES = ("default", "linear", "llama3")
 def _rope(hf: dict) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling) from a config.json of either transformers format.
 
-    Before v5: top-level ``rope_theta`` and ``rope_scaling`` (None or a dict with ``rope_type``).
+    Before v5: top-level ``rope_theta`` and ``rope_scaling`` (None or a dict with ``rope_type``, or
+    the older ``type``). The scaling returned is None for plain RoPE, else a dict whose
+    ``rope_type`` is set, the one place the type is read.
     From v5 on, one ``rope_parameters`` dict holds ``rope_theta``, ``rope_type`` and the scaling's
     numbers; a checkpoint saved by v5 has no top-level ``rope_theta``, and reading only that would
     silently rotate with the wrong frequencies (Llama 3: 500,000, not 10,000). Raises ValueError
@@ -77,7 +79,7 @@ def _rope(hf: dict) -> tuple[float, dict | None]:
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind not in ROPE_TYPES:
         raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES[1:])})")
-    return theta, (None if kind == "default" else scaling)
+    return theta, (None if kind == "default" else {**scaling, "rope_type": kind})
 
 
 class ModelConfig(msgspec.Struct, frozen=True):

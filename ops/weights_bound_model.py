@@ -4,8 +4,8 @@
 tokenizer (copied from the shared test model). No weights are written unless ``--weights``: serve
 it with ``--load-format dummy``. At fp32 a decode step reads ~0.8 GB of weights, so reading weights,
 not per-request work, dominates a step, as on a GPU. ``--weights`` also writes random weights
-(``model.safetensors``, 0.7 GB, seed 0) for servers that cannot make their own, such as
-``transformers serve``.
+(``model.safetensors``, 0.7 GB: ``--load-format dummy``'s, seed 0) for servers that cannot make
+their own, such as ``transformers serve``.
 
     python ops/weights_bound_model.py /tmp/llama-200m             # prints the directory
     python ops/weights_bound_model.py /tmp/llama-200m-w --weights
@@ -26,29 +26,6 @@ CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_
           "torch_dtype": "float32"}
 
 
-def random_weights(config: dict, seed: int = 0) -> dict:
-    """Hugging Face Llama tensors for ``config``: float32, N(0, 0.02) matrices (transformers' default
-    initializer_range) and RMSNorm weights of one; no ``lm_head`` when the embeddings are tied."""
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    h, i, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    q, kv = config["num_attention_heads"] * config["head_dim"], config["num_key_value_heads"] * config["head_dim"]
-    shapes = {"model.embed_tokens.weight": (v, h)}
-    for n in range(config["num_hidden_layers"]):
-        p = f"model.layers.{n}."
-        shapes |= {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-                   p + "mlp.down_proj.weight": (h, i)}
-    if not config["tie_word_embeddings"]:
-        shapes["lm_head.weight"] = (v, h)
-    tensors = {name: torch.randn(shape, generator=g) * 0.02 for name, shape in shapes.items()}
-    norms = [f"model.layers.{n}.{k}.weight" for n in range(config["num_hidden_layers"])
-             for k in ("input_layernorm", "post_attention_layernorm")] + ["model.norm.weight"]
-    return tensors | {name: torch.ones(h) for name in norms}
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", nargs="?", default="llama-200m", help="the directory to write")
@@ -59,10 +36,17 @@ def main() -> None:
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
         shutil.copy(STORIES / name, out / name)
     (out / "config.json").write_text(json.dumps(CONFIG, indent=1))
-    if args.weights:
+    if args.weights:  # pagedkv's own dummy weights (seed 0), saved under the checkpoint's tensor names
+        import torch
         from safetensors.torch import save_file
 
-        save_file(random_weights(CONFIG), str(out / "model.safetensors"), metadata={"format": "pt"})
+        from pagedkv.common.config import EngineConfig, ModelConfig
+        from pagedkv.worker.model_loader import checkpoint_tensors, load_model
+
+        model = load_model(ModelConfig.load(str(out)), EngineConfig(load_format="dummy", seed=0), torch.device("cpu"),
+                           torch.float32)
+        tensors = {name: t.contiguous() for name, t in checkpoint_tensors(model).items()}
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     print(out)
 
 

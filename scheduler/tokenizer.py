@@ -140,8 +140,8 @@ class Tokenizer:
         if eos_token is None and eos_ids:
             eos_token = tok.id_to_token(eos_ids[0])
 
-        template = chat_template or _read_text(os.path.join(model_config.path, "chat_template.jinja"))
-        template = template or cfg.get("chat_template")
+        template = (chat_template or _read_text(os.path.join(model_config.path, "chat_template.jinja"))
+                    or cfg.get("chat_template"))
         if isinstance(template, list):  # HF allows a list of named templates; "default" is the one used
             template = next((t.get("template") for t in template if t.get("name") == "default"), None)
         extra = {k: _token_content(cfg.get(k)) for k in ("unk_token", "pad_token")}

@@ -17,7 +17,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from pagedkv.common.config import ROPE_TYPES, ModelConfig
+from pagedkv.common.config import ModelConfig
 from pagedkv.kernels import fp8, reference
 from pagedkv.worker.parallel import TensorParallel
 
@@ -47,19 +47,17 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     ``rope_scaling`` of type "linear" divides every frequency by ``factor`` (position interpolation,
     Chen et al. 2023; HF's ``_compute_linear_scaling_rope_parameters``); "llama3" rescales the low and
     medium frequencies as Meta's Llama 3.1 reference and HF's ``_compute_llama3_parameters`` do.
-    Raises ValueError for another scaling type (`common.config.ROPE_TYPES`) or an entry missing one
-    of its numbers (factor; for llama3 also low_freq_factor / high_freq_factor /
-    original_max_position_embeddings).
+    The type was checked against `common.config.ROPE_TYPES` when config.json was read. Raises
+    ValueError for an entry missing one of its numbers (factor; for llama3 also low_freq_factor /
+    high_freq_factor / original_max_position_embeddings).
     """
     d = config.head_dim
     # explicitly on CPU: under load_model's meta-device context, meta arithmetic imports torch._dynamo (~3 s)
     inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d))
     scaling = config.rope_scaling
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if kind == "default":
+    if scaling is None:
         return inv
-    if kind not in ROPE_TYPES:
-        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES[1:])})")
+    kind = scaling["rope_type"]
     try:
         factor = scaling["factor"]
         if kind == "linear":
@@ -193,7 +191,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, kernels: ModuleType = reference,
                  tp: TensorParallel = TensorParallel()):
         super().__init__()
-        rope_inv_freq(config)  # reject an unsupported rope_scaling at construction, not mid-step
+        rope_inv_freq(config)  # reject an incomplete rope_scaling at construction, not mid-step
         self.config = config
         self.kernels = kernels
         self.model = LlamaModel(config, dtype, kernels, tp)

@@ -922,8 +922,10 @@ class _API:
                 "supports_chat": e.tokenizer.chat_template is not None, "random_weights": e.random_weights}
         if e.random_weights:
             card["owned_by"] = "pagedkv (random weights)"
-            card["description"] = ("This model runs on seeded random weights: its outputs are noise. "
-                                   "Serve a real checkpoint with --model PATH for meaningful text.")
+            card["description"] = ("This model runs on seeded random weights: its outputs are noise. " +
+                                   ("Serve a real checkpoint with --model PATH for meaningful text."
+                                    if e.model_config.path is None else
+                                    "Serve without --load-format dummy for the checkpoint's own weights."))
         return card
 
     async def health(self, request: web.Request) -> web.Response:

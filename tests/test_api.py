@@ -595,6 +595,20 @@ async def test_embedded_default_says_its_weights_are_random(embedded_http):
     assert card["description"].startswith("This model runs on seeded random weights: its outputs are noise.")
 
 
+async def test_a_checkpoint_served_with_dummy_weights_is_told_to_drop_the_flag_not_to_pass_a_path():
+    from types import SimpleNamespace
+
+    from pagedkv.scheduler.api import _API
+
+    def card(path):
+        engine = SimpleNamespace(served_model_names=["m"], model_config=SimpleNamespace(path=path), max_model_len=512,
+                                 tokenizer=SimpleNamespace(chat_template=None), random_weights=True)
+        return _API(engine)._model_card()["description"]
+
+    assert card(None).endswith("Serve a real checkpoint with --model PATH for meaningful text.")
+    assert card("/models/x").endswith("Serve without --load-format dummy for the checkpoint's own weights.")
+
+
 async def test_embedded_default_streams_sse_ending_in_done(embedded_http):
     resp = await embedded_http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 8, "stream": True,
                                                              "ignore_eos": True, "temperature": 0})

@@ -85,7 +85,7 @@ static inline __attribute__((always_inline)) void attend(
         const float *restrict q, const void *k_cache, const void *v_cache, int kind, const float *lut,
         int64_t elem_bytes, const int32_t *table, int64_t len, int num_kv_heads, int group,
         const int head_dim, int block_size, float qk_scale, float v_scale,
-        float *restrict scores, float *restrict row, float *restrict out) {
+        float *restrict scores, float *restrict row, float *restrict out, const char *then) {
     const int64_t token_stride = (int64_t)num_kv_heads * head_dim;  /* elements between slots */
     const int64_t row_bytes = token_stride * elem_bytes, block_bytes = block_size * row_bytes;
     const int num_heads = num_kv_heads * group;
@@ -93,8 +93,9 @@ static inline __attribute__((always_inline)) void attend(
     for (int64_t first = 0, slot0; first < len; first += block_size) {
         const char *next;
         const int n = block_keys(table, first, len, block_size, k_cache, block_bytes, &slot0, &next);
+        if (!next) next = (const char *)v_cache + (int64_t)table[0] * block_bytes;  /* the V pass's first block */
         for (int j = 0; j < n; j++) {
-            if (next) prefetch_row(next + j * row_bytes, row_bytes);
+            prefetch_row(next + j * row_bytes, row_bytes);
             const float *k = kv_row(kind, k_cache, (slot0 + j) * token_stride, (int)token_stride, lut, row);
             for (int kvh = 0, h = 0; kvh < num_kv_heads; kvh++) {
                 const float *restrict kh = k + (int64_t)kvh * head_dim;
@@ -122,6 +123,7 @@ static inline __attribute__((always_inline)) void attend(
     for (int64_t first = 0, slot0; first < len; first += block_size) {
         const char *next;
         const int n = block_keys(table, first, len, block_size, v_cache, block_bytes, &slot0, &next);
+        if (!next) next = then;  /* the next sequence's first K block */
         for (int j = 0; j < n; j++) {
             if (next) prefetch_row(next + j * row_bytes, row_bytes);
             const float *v = kv_row(kind, v_cache, (slot0 + j) * token_stride, (int)token_stride, lut, row);
@@ -341,7 +343,8 @@ static inline __attribute__((always_inline)) f32x8 sum_each(const f32x8 x[8]) {
 static void attend_heads8(
         const float *restrict q, const void *k_cache, const void *v_cache, int kind, const float *lut,
         int64_t elem_bytes, const int32_t *table, int64_t len, int num_kv_heads, int group, int block_size,
-        float qk_scale, float v_scale, float *restrict scores, float *restrict row, float *restrict out) {
+        float qk_scale, float v_scale, float *restrict scores, float *restrict row, float *restrict out,
+        const char *then) {
     const int64_t token_stride = (int64_t)num_kv_heads * 8;
     const int64_t row_bytes = token_stride * elem_bytes, block_bytes = block_size * row_bytes;
     const int num_heads = num_kv_heads * group;
@@ -356,8 +359,9 @@ static void attend_heads8(
         for (int64_t first = 0, slot0; first < len; first += block_size) {  /* scores[t][i] = <q_i, k_t> */
             const char *next;
             const int n = block_keys(table, first, len, block_size, k_cache, block_bytes, &slot0, &next);
+            if (!next) next = (const char *)v_cache + (int64_t)table[0] * block_bytes;  /* the V pass's first block */
             for (int j = 0; j < n; j++) {
-                if (next) prefetch_row(next + j * row_bytes, row_bytes);
+                prefetch_row(next + j * row_bytes, row_bytes);
                 const float *k = kv_row(kind, k_cache, (slot0 + j) * token_stride, (int)token_stride, lut, row);
                 f32x8 x[8];
                 for (int i = 0; i < 8; i++) x[i] = qv[i] * *(const f32x8 *)(k + at[i]);
@@ -376,6 +380,7 @@ static void attend_heads8(
         for (int64_t first = 0, slot0; first < len; first += block_size) {  /* acc_i += p[t][i] v_t */
             const char *next;
             const int n = block_keys(table, first, len, block_size, v_cache, block_bytes, &slot0, &next);
+            if (!next) next = then;  /* the next sequence's first K block */
             for (int j = 0; j < n; j++) {
                 if (next) prefetch_row(next + j * row_bytes, row_bytes);
                 const float *v = kv_row(kind, v_cache, (slot0 + j) * token_stride, (int)token_stride, lut, row);
@@ -537,15 +542,20 @@ static inline __attribute__((always_inline)) void attend_tokens(
     const int64_t at = (w->query_start_loc[s] + j0) * w->num_heads * head_dim;
     const float qk_scale = w->scale * w->k_scale;
     const int64_t elem_bytes = w->kv_kind == KV_F32 ? 4 : w->kv_kind == KV_BF16 ? 2 : 1;
+    /* a decode token prefetches the next sequence's first K block while it finishes (its V pass) */
+    const int32_t after = j1 - j0 == 1 && s < w->last_seq ? table[w->table_stride] : -1;
+    const char *then = after >= 0 && after < w->num_blocks
+        ? (const char *)w->k_cache + (int64_t)after * w->block_size * w->num_kv_heads * head_dim * elem_bytes : NULL;
     if (j1 - j0 == 1 && head_dim == 8 && w->num_heads % 8 == 0) {
         attend_heads8(w->q + at, w->k_cache, w->v_cache, w->kv_kind, w->lut, elem_bytes, table, first_len,
-                      w->num_kv_heads, group, w->block_size, qk_scale, w->v_scale, scores, sc->row, w->out + at);
+                      w->num_kv_heads, group, w->block_size, qk_scale, w->v_scale, scores, sc->row, w->out + at,
+                      then);
     } else if (head_dim == 8 && w->num_heads % 8 == 0) {
         attend_tile8(w->q + at, (int)(j1 - j0), first_len, w->k_cache, w->v_cache, w->kv_kind, w->lut, table,
                      w->num_kv_heads, group, w->block_size, qk_scale, w->v_scale, sc, w->out + at);
     } else if (j1 - j0 == 1 && head_dim > 4 * group) {
         attend(w->q + at, w->k_cache, w->v_cache, w->kv_kind, w->lut, elem_bytes, table, first_len, w->num_kv_heads,
-               group, head_dim, w->block_size, qk_scale, w->v_scale, scores, sc->row, w->out + at);
+               group, head_dim, w->block_size, qk_scale, w->v_scale, scores, sc->row, w->out + at, then);
     } else {
         attend_tile(w->q + at, (int)(j1 - j0), first_len, w->k_cache, w->v_cache, w->kv_kind, w->lut, table,
                     w->num_kv_heads, group, head_dim, w->block_size, qk_scale, w->v_scale, sc, w->out + at);

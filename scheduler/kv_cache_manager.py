@@ -115,6 +115,8 @@ class KVCacheManager:
         submit check: a request that needs more than ``num_gpu_blocks`` this way can never run).
         """
         bs = self.block_size
+        if len(steps) == 1 and not empty_pool and steps[0][0].status is RequestStatus.RUNNING:
+            return self._running_need(*steps[0])  # the hot path: a lone running sequence, every step
         need = 0
         taken_hits: set[int] = set()  # free cached blocks a hit takes, each once
         host_blocks: set[int] = set()  # host blocks a swap-in brings back, each once
@@ -153,6 +155,15 @@ class KVCacheManager:
         for w, ref_cnt in writers.values():
             need += min(w, ref_cnt - 1)
         return need
+
+    def _running_need(self, req: Request, n: int) -> int:
+        """`num_blocks_needed` of one running request alone: its table's growth, plus one block when
+        its first new token lands in a shared block (copy-on-write)."""
+        computed, table, bs = req.num_computed_tokens, req.block_table, self.block_size
+        grow = -(-(computed + n) // bs) - len(table)
+        index = computed // bs
+        cow = n > 0 and index < len(table) and self.pool.blocks[table[index]].ref_cnt > 1
+        return (grow if grow > 0 else 0) + cow
 
     # ---- prefix caching ------------------------------------------------------------------------
 
@@ -201,6 +212,10 @@ class KVCacheManager:
         Returns the ids of the blocks appended to the table (excluding cached ones), or None — with
         no state changed — when too few blocks are free.
         """
+        if not cached_blocks and self._room_in_table(request, num_new_tokens):  # most decode steps
+            if self.enable_prefix_caching:
+                self._cache_full_blocks(request, request.num_computed_tokens + num_new_tokens)
+            return []
         cached_blocks = cached_blocks or []
         num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
         num_required = (self.blocks_for(num_computed + num_new_tokens)
@@ -226,6 +241,15 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             self._cache_full_blocks(request, num_computed + num_new_tokens)
         return new_ids
+
+    def _room_in_table(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether the request's table already holds ``num_new_tokens`` more tokens, in blocks it
+        alone references: no block to allocate, none to copy."""
+        computed, table, bs = request.num_computed_tokens, request.block_table, self.block_size
+        if computed + num_new_tokens > len(table) * bs:
+            return False
+        index = computed // bs
+        return num_new_tokens == 0 or index >= len(table) or self.pool.blocks[table[index]].ref_cnt == 1
 
     def _shared_write_block(self, request: Request, num_new_tokens: int) -> tuple[int, Block] | None:
         """(table index, block) when the first new token would be written into a shared block."""
@@ -257,6 +281,8 @@ class KVCacheManager:
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Name every block that will be full once ``num_tokens`` tokens are computed."""
+        if num_tokens // self.block_size <= request.num_named_blocks:
+            return  # no block fills: most decode steps
         hashes = self._block_hashes(request)
         end = min(num_tokens // self.block_size, len(hashes))
         for i in range(request.num_named_blocks, end):  # only blocks not yet named

@@ -171,25 +171,29 @@ class Scheduler:
         instead of preempting.
         """
         i = 0
-        running = self.running
+        running, kv, chosen = self.running, self.kv, step.chosen
+        free = kv.num_free_blocks  # changes here only when a preemption frees blocks
         while i < len(running) and step.budget > 0:
             req = running[i]
             if len(req.group) == 1:  # the common case, kept cheap: one sequence
-                group = [req]
                 n = min(self._end(req, ahead) - req.num_computed_tokens, step.budget)
                 steps = [(req, n if n > 0 else 0)]
                 step.budget -= steps[0][1]
             else:
-                group = self._live(req, RequestStatus.RUNNING)
-                if id(req.group) in step.chosen:
+                if id(req.group) in chosen:
                     i += 1
                     continue
-                steps = self._take_tokens(group, step, ahead)
-            need = self.kv.num_blocks_needed(steps)
-            if ahead and need > self.kv.num_free_blocks - step.num_blocks:
+                steps = self._take_tokens(self._live(req, RequestStatus.RUNNING), step, ahead)
+            need = kv.num_blocks_needed(steps)
+            if need <= free - step.num_blocks:  # fits: no preemption
+                chosen[id(req.group)] = (steps, need)
+                step.num_blocks += need
+                i += 1
+                continue
+            if ahead:
                 return False
             preempted = False
-            while need > self.kv.num_free_blocks - step.num_blocks:
+            while need > kv.num_free_blocks - step.num_blocks:
                 victims = self._live(self.policy.victim(running), RequestStatus.RUNNING)
                 if (c := step.chosen.pop(id(victims[0].group), None)) is not None:
                     step.budget += sum(n for _, n in c[0])
@@ -199,22 +203,24 @@ class Scheduler:
                 preempted = True
                 if victims[0].group is req.group:
                     break
+            free = kv.num_free_blocks
             if req.status is not RequestStatus.RUNNING:  # the group preempted itself
                 step.budget += sum(n for _, n in steps)
                 break
-            step.chosen[id(req.group)] = (steps, need)
+            chosen[id(req.group)] = (steps, need)
             step.num_blocks += need
             i = running.index(req) + 1 if preempted else i + 1
-        for steps, _ in step.chosen.values():
+        num_scheduled, cached_reqs = step.num_scheduled, step.cached_reqs
+        for steps, _ in chosen.values():
             for req, n in steps:
                 if not n:  # a beam waiting for its siblings' results, or the budget ran out
                     continue
-                new_blocks = self.kv.allocate_slots(req, n)
+                new_blocks = kv.allocate_slots(req, n)
                 assert new_blocks is not None, "blocks were counted before allocation"
-                step.num_scheduled[req.request_id] = n
+                num_scheduled[req.request_id] = n
                 if req.in_worker:
-                    step.cached_reqs.append(CachedRequestData(req.request_id, new_blocks, n, req.unsent_token_ids,
-                                                              self.kv.take_replaced_blocks(req)))
+                    cached_reqs.append(CachedRequestData(req.request_id, new_blocks, n, req.unsent_token_ids,
+                                                         kv.take_replaced_blocks(req)))
                     req.unsent_token_ids = []
                 else:  # forked since its last step (n > 1, beam search): the worker gets it whole
                     step.new_reqs.append(self._new_request_data(req, n))

@@ -7,7 +7,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from pagedkv.common.sampling_params import SamplingParams
 from pagedkv.scheduler.block_pool import BlockPool
 from pagedkv.scheduler.kv_cache_manager import KVCacheManager
-from pagedkv.scheduler.request import Request
+from pagedkv.scheduler.request import Request, RequestStatus
 
 NUM_BLOCKS = 12
 BLOCK_SIZE = 4
@@ -119,6 +119,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         todo = req.num_tokens - len(hits) * BLOCK_SIZE
         if self.kv.allocate_slots(req, todo, hits) is not None:
             req.num_computed_tokens = req.num_tokens
+            req.status = RequestStatus.RUNNING
             self.live[req.request_id] = req
         else:
             assert req.block_table == []
@@ -130,6 +131,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         child = self._new(parent.prompt_token_ids)
         child.token_ids = list(parent.token_ids)
         self.kv.fork(parent, child)
+        child.status = RequestStatus.RUNNING
         assert child.block_table == parent.block_table
         self.live[child.request_id] = child
 
@@ -139,7 +141,15 @@ class KVCacheMachine(RuleBasedStateMachine):
         req = self.live[data.draw(st.sampled_from(sorted(self.live)))]
         req.token_ids.append(token)
         before = list(req.block_table)
+        # the count a lone running request takes (its fast path) against the general one: another
+        # request with no token to compute adds nothing; and allocation takes exactly that many blocks
+        need = self.kv.num_blocks_needed([(req, 1)])
+        other = next(r for r in [*self.live.values(), req] if r is not req or len(self.live) == 1)
+        if other is not req:
+            assert need == self.kv.num_blocks_needed([(req, 1), (other, 0)])
+        free = self.kv.num_free_blocks
         if self.kv.allocate_slots(req, 1) is not None:
+            assert free - self.kv.num_free_blocks == need
             req.num_computed_tokens += 1
             assert len(req.block_table) == -(-req.num_tokens // BLOCK_SIZE)
             written = self.kv.pool.blocks[req.block_table[(req.num_tokens - 1) // BLOCK_SIZE]]
@@ -148,6 +158,7 @@ class KVCacheMachine(RuleBasedStateMachine):
                 assert src in before and src not in req.block_table and dst in req.block_table
             self.kv.take_replaced_blocks(req)
         else:
+            assert need > free
             req.token_ids.pop()
             assert req.block_table == before and not self.kv.take_pending_copies()
 

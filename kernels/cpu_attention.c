@@ -53,7 +53,10 @@ static inline void load_row(int kind, const void *base, int64_t index, int n, co
  * row j while they read row j of the current one (blocks sit at random places in the pool, so the
  * hardware prefetcher cannot guess the next one), so a block's misses spread over its keys. Issued
  * all at once at the block's start they queue behind each other: past L3, 256 x 112 decode at
- * 8/4/8 took 1.25x as long that way (native driver, one thread, 6 alternated pairs). */
+ * 8/4/8 took 1.25x as long that way (native driver, one thread, 6 alternated pairs). After a pass's
+ * last block, usually partial, the next block (the other pass's first, or the next sequence's) gets
+ * only as many rows as that block has keys: fetching all of it there, ceil(block_size / n) rows per
+ * key, was 0.93-0.98x at 256 x 100 (8/4/8, 16/2/8) and 64 x 1000 (32/8/64), 1.07x at 256 x 40. */
 static inline __attribute__((always_inline)) void prefetch_row(const char *p, int64_t row_bytes) {
     for (const char *line = (const char *)((uintptr_t)p & ~(uintptr_t)63); line < p + row_bytes; line += 64)
         __builtin_prefetch(line);
@@ -380,7 +383,8 @@ static void attend_heads8(
         for (int64_t first = 0, slot0; first < len; first += block_size) {  /* acc_i += p[t][i] v_t */
             const char *next;
             const int n = block_keys(table, first, len, block_size, v_cache, block_bytes, &slot0, &next);
-            if (!next) next = then;  /* the next sequence's first K block */
+            if (!next)  /* after the last V block: this sequence's K again for the next eight heads, or the next sequence's */
+                next = h0 + 8 < num_heads ? (const char *)k_cache + (int64_t)table[0] * block_bytes : then;
             for (int j = 0; j < n; j++) {
                 if (next) prefetch_row(next + j * row_bytes, row_bytes);
                 const float *v = kv_row(kind, v_cache, (slot0 + j) * token_stride, (int)token_stride, lut, row);

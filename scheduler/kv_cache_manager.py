@@ -5,7 +5,8 @@ A new block is taken only when the last one is full (PagedAttention, Kwon et al.
 and every block goes back when the request finishes, is aborted, fails or is preempted. Every
 question "how many free blocks does this take" has one answer, `KVCacheManager.num_blocks_needed`,
 which counts sharing (n > 1, beam search), prefix-cache hits and copy-on-write exactly once; the
-scheduler's admission, scheduling, swap-in and readmission and the engine's submit check all ask it.
+scheduler's admission, scheduling, swap-in and readmission and the engine's submit check all ask it
+(a lone running request, every decode step, takes a shortcut that the tests hold to the same answer).
 
 Prefix caching (the hash-chain design of vLLM's automatic prefix caching): a full block is named by
 a hash chained over (parent block's hash, its token ids, extra keys); the first block's extra keys
@@ -124,7 +125,7 @@ class KVCacheManager:
         forked: dict[int, int] = {}  # id(group) -> blocks the first waiting member shares with its siblings
         for req, n in steps:
             status = req.status
-            if status is RequestStatus.RUNNING and not empty_pool:  # the hot path: once per running request
+            if status is RequestStatus.RUNNING and not empty_pool:  # with its group (n > 1, beam search)
                 table, pool, kind = req.block_table, self.pool, "device"
             elif status is RequestStatus.SWAPPED and not empty_pool:
                 table, pool, kind = self.swap.host_tables[req.request_id], self.swap.host, "host"
@@ -158,7 +159,8 @@ class KVCacheManager:
 
     def _running_need(self, req: Request, n: int) -> int:
         """`num_blocks_needed` of one running request alone: its table's growth, plus one block when
-        its first new token lands in a shared block (copy-on-write)."""
+        its first new token lands in a shared block (copy-on-write). Must equal the general count, as
+        tests/test_block_pool.py's state machine checks at every append."""
         computed, table, bs = req.num_computed_tokens, req.block_table, self.block_size
         grow = -(-(computed + n) // bs) - len(table)
         index = computed // bs
@@ -244,7 +246,8 @@ class KVCacheManager:
 
     def _room_in_table(self, request: Request, num_new_tokens: int) -> bool:
         """Whether the request's table already holds ``num_new_tokens`` more tokens, in blocks it
-        alone references: no block to allocate, none to copy."""
+        alone references: no block to allocate, none to copy. `allocate_slots` then returns early; the
+        state it leaves is checked against its general path's in tests/test_block_pool.py."""
         computed, table, bs = request.num_computed_tokens, request.block_table, self.block_size
         if computed + num_new_tokens > len(table) * bs:
             return False

@@ -195,7 +195,7 @@ class Scheduler:
             preempted = False
             while need > kv.num_free_blocks - step.num_blocks:
                 victims = self._live(self.policy.victim(running), RequestStatus.RUNNING)
-                if (c := step.chosen.pop(id(victims[0].group), None)) is not None:
+                if (c := chosen.pop(id(victims[0].group), None)) is not None:
                     step.budget += sum(n for _, n in c[0])
                     step.num_blocks -= c[1]
                 self._preempt(victims, f"kv_cache_full: no free block for {req.request_id}")

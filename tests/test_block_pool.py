@@ -1,5 +1,7 @@
 """The block pool and KV cache manager keep their invariants under any sequence of operations."""
 
+import copy
+
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -136,31 +138,42 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.live[child.request_id] = child
 
     @precondition(lambda self: self.live)
-    @rule(data=st.data(), token=st.integers(0, 3))
-    def append(self, data, token):
+    @rule(data=st.data(), tokens=st.lists(st.integers(0, 3), max_size=6))
+    def append(self, data, tokens):
         req = self.live[data.draw(st.sampled_from(sorted(self.live)))]
-        req.token_ids.append(token)
-        before = list(req.block_table)
-        # the count a lone running request takes (its fast path) against the general one: another
-        # request with no token to compute adds nothing; and allocation takes exactly that many blocks
-        need = self.kv.num_blocks_needed([(req, 1)])
-        other = next(r for r in [*self.live.values(), req] if r is not req or len(self.live) == 1)
-        if other is not req:
-            assert need == self.kv.num_blocks_needed([(req, 1), (other, 0)])
+        req.token_ids.extend(tokens)
+        n, before = len(tokens), list(req.block_table)
+        # A lone running request's count (the scheduler's fast path) equals the general count (another
+        # request with no token to compute adds nothing), and allocation takes exactly that many blocks.
+        need = self.kv.num_blocks_needed([(req, n)])
+        if (other := next((r for r in self.live.values() if r is not req), None)) is not None:
+            assert need == self.kv.num_blocks_needed([(req, n), (other, 0)])
+        # allocate_slots' early return (room in blocks the request alone holds) leaves the state that
+        # its general path leaves, run on a copy with the early return off
+        kv, twin = copy.deepcopy((self.kv, req))
+        kv._room_in_table = lambda *_: False
+        expected = kv.allocate_slots(twin, n)
         free = self.kv.num_free_blocks
-        if self.kv.allocate_slots(req, 1) is not None:
+        new_blocks = self.kv.allocate_slots(req, n)
+        assert new_blocks == expected and req.block_table == twin.block_table
+        assert req.num_named_blocks == twin.num_named_blocks
+        assert [(b.ref_cnt, b.block_hash) for b in self.kv.pool.blocks] == [(b.ref_cnt, b.block_hash) for b in kv.pool.blocks]
+        copies = self.kv.take_pending_copies()
+        assert copies == kv.take_pending_copies()
+        if new_blocks is not None:
             assert free - self.kv.num_free_blocks == need
-            req.num_computed_tokens += 1
+            req.num_computed_tokens += n
             assert len(req.block_table) == -(-req.num_tokens // BLOCK_SIZE)
-            written = self.kv.pool.blocks[req.block_table[(req.num_tokens - 1) // BLOCK_SIZE]]
-            assert written.ref_cnt == 1, "a write into a shared block without copy-on-write"
-            for src, dst in self.kv.take_pending_copies():
+            if n:
+                written = self.kv.pool.blocks[req.block_table[(req.num_tokens - n) // BLOCK_SIZE]]
+                assert written.ref_cnt == 1, "a write into a shared block without copy-on-write"
+            for src, dst in copies:
                 assert src in before and src not in req.block_table and dst in req.block_table
             self.kv.take_replaced_blocks(req)
         else:
             assert need > free
-            req.token_ids.pop()
-            assert req.block_table == before and not self.kv.take_pending_copies()
+            del req.token_ids[len(req.token_ids) - n:]
+            assert req.block_table == before and not copies
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())

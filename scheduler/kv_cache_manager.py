@@ -161,11 +161,8 @@ class KVCacheManager:
         """`num_blocks_needed` of one running request alone: its table's growth, plus one block when
         its first new token lands in a shared block (copy-on-write). Must equal the general count, as
         tests/test_block_pool.py's state machine checks at every append."""
-        computed, table, bs = req.num_computed_tokens, req.block_table, self.block_size
-        grow = -(-(computed + n) // bs) - len(table)
-        index = computed // bs
-        cow = n > 0 and index < len(table) and self.pool.blocks[table[index]].ref_cnt > 1
-        return (grow if grow > 0 else 0) + cow
+        grow = self.blocks_for(req.num_computed_tokens + n) - len(req.block_table)
+        return max(grow, 0) + (self._shared_write_block(req, n) is not None)
 
     # ---- prefix caching ------------------------------------------------------------------------
 
@@ -248,11 +245,8 @@ class KVCacheManager:
         """Whether the request's table already holds ``num_new_tokens`` more tokens, in blocks it
         alone references: no block to allocate, none to copy. `allocate_slots` then returns early; the
         state it leaves is checked against its general path's in tests/test_block_pool.py."""
-        computed, table, bs = request.num_computed_tokens, request.block_table, self.block_size
-        if computed + num_new_tokens > len(table) * bs:
-            return False
-        index = computed // bs
-        return num_new_tokens == 0 or index >= len(table) or self.pool.blocks[table[index]].ref_cnt == 1
+        return (self.blocks_for(request.num_computed_tokens + num_new_tokens) <= len(request.block_table)
+                and self._shared_write_block(request, num_new_tokens) is None)
 
     def _shared_write_block(self, request: Request, num_new_tokens: int) -> tuple[int, Block] | None:
         """(table index, block) when the first new token would be written into a shared block."""

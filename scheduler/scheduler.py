@@ -185,28 +185,24 @@ class Scheduler:
                     continue
                 steps = self._take_tokens(self._live(req, RequestStatus.RUNNING), step, ahead)
             need = kv.num_blocks_needed(steps)
-            if need <= free - step.num_blocks:  # fits: no preemption
-                chosen[id(req.group)] = (steps, need)
-                step.num_blocks += need
-                i += 1
-                continue
-            if ahead:
-                return False
             preempted = False
-            while need > kv.num_free_blocks - step.num_blocks:
-                victims = self._live(self.policy.victim(running), RequestStatus.RUNNING)
-                if (c := chosen.pop(id(victims[0].group), None)) is not None:
-                    step.budget += sum(n for _, n in c[0])
-                    step.num_blocks -= c[1]
-                self._preempt(victims, f"kv_cache_full: no free block for {req.request_id}")
-                step.preempted.extend(victims)
-                preempted = True
-                if victims[0].group is req.group:
+            if need > free - step.num_blocks:
+                if ahead:
+                    return False
+                while need > kv.num_free_blocks - step.num_blocks:
+                    victims = self._live(self.policy.victim(running), RequestStatus.RUNNING)
+                    if (c := chosen.pop(id(victims[0].group), None)) is not None:
+                        step.budget += sum(n for _, n in c[0])
+                        step.num_blocks -= c[1]
+                    self._preempt(victims, f"kv_cache_full: no free block for {req.request_id}")
+                    step.preempted.extend(victims)
+                    preempted = True
+                    if victims[0].group is req.group:
+                        break
+                free = kv.num_free_blocks
+                if req.status is not RequestStatus.RUNNING:  # the group preempted itself
+                    step.budget += sum(n for _, n in steps)
                     break
-            free = kv.num_free_blocks
-            if req.status is not RequestStatus.RUNNING:  # the group preempted itself
-                step.budget += sum(n for _, n in steps)
-                break
             chosen[id(req.group)] = (steps, need)
             step.num_blocks += need
             i = running.index(req) + 1 if preempted else i + 1

@@ -13,6 +13,7 @@ or at once when gloo sees the connection drop).
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import logging
 import os
@@ -37,6 +38,36 @@ from pagedkv.worker.parallel import destroy_group, init_group
 
 log = logging.getLogger("pagedkv.worker")
 POLL_MS = 1000  # how often to check that the control plane is still there
+# glibc mallopt parameters (malloc.h) and the most M_MMAP_THRESHOLD takes on 64-bit (HEAP_MAX_SIZE / 2)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX = -1, -3, 32 << 20
+
+
+def reuse_freed_host_memory() -> bool:
+    """Have glibc's malloc keep a CPU forward's freed activations for the next step instead of
+    returning them to the kernel.
+
+    By default glibc serves blocks of 128 KiB and up with mmap and trims its heap once that much is
+    free at the top (thresholds it then raises as it sees larger blocks freed, so how often depends on
+    the run), and such memory comes back as fresh pages: a 2,048-token prefill of stories260K
+    (``[2048, 344]`` float32 per layer's gate/up output, 2.8 MB) took up to 1,600 minor page faults
+    and a quarter of its time with them (one thread: 35-39 ms a step, 25-29 without). This raises the mmap threshold to its ceiling, 32 MiB, and
+    the trim threshold to 64 MiB (glibc's own dynamic rule keeps trim at twice mmap), so blocks up to
+    32 MiB are reused from the heap and at most 64 MiB of freed memory stays mapped at its top.
+    Returns True when applied; False, changing nothing, when libc is not glibc or either threshold is
+    set in the environment (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, ``GLIBC_TUNABLES``),
+    which then decides.
+    """
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if ("MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ
+            or "mmap_threshold" in tunables or "trim_threshold" in tunables):
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # glibc only: musl, macOS have other allocators and no such knobs
+    except (OSError, AttributeError):
+        return False
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
+                and libc.mallopt(_M_TRIM_THRESHOLD, 2 * _MMAP_THRESHOLD_MAX))
 
 
 def select_device(config: EngineConfig, rank: int) -> torch.device:
@@ -105,6 +136,8 @@ def load(msg: LoadModel, rank: int = 0, world_size: int = 1, init_method: str | 
         # spinning against each other slow steps by 100x
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         torch.set_num_threads(max(1, ((os.cpu_count() or 2) - 1) // local_ranks))
+    if device.type == "cpu" and reuse_freed_host_memory():
+        log.debug("glibc malloc: blocks up to %d MiB are reused from the heap", _MMAP_THRESHOLD_MAX >> 20)
     dtype = select_dtype(cfg, model_config, device)
     log.info("loading weights: %s on %s, %s (rank %d of %d)", model_config.path or "embedded (random)", device, dtype,
              rank, world_size)

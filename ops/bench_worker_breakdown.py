@@ -1,8 +1,9 @@
 """Where a worker step's CPU time goes, by model part: attention kernel, projections, MLP, norms, the rest.
 
 Runs `ModelRunner.execute` on a real checkpoint (dummy weights without model.safetensors) in this
-process, one thread, with each part of the forward wrapped in a thread-CPU-time counter (the
-wrappers cost a few microseconds per call). Two step kinds:
+process, one thread, glibc malloc set as a CPU worker sets it (`worker.reuse_freed_host_memory`),
+with each part of the forward wrapped in a thread-CPU-time counter (the wrappers cost a few
+microseconds per call). Two step kinds:
 
 - decode: N running requests at a context of C tokens (``--shape NxC``), one token each per step,
   as `ops/bench_worker_host.py` drives them; mean over the steps after two warm-up steps;
@@ -38,6 +39,11 @@ def _runner(model: str, backend: str | None, num_blocks: int, max_num_seqs: int)
     from pagedkv.worker.model_runner import ModelRunner
 
     torch.set_num_threads(1)
+    try:  # as the worker process does (trees before 7e71564 left glibc's defaults)
+        from pagedkv.worker.worker import reuse_freed_host_memory
+        reuse_freed_host_memory()
+    except ImportError:
+        pass
     mc = ModelConfig.load(model)
     dummy = not os.path.exists(os.path.join(model, "model.safetensors"))
     cfg = EngineConfig(model=model, block_size=16, max_num_seqs=max_num_seqs, attention_backend=backend,

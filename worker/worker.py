@@ -14,6 +14,7 @@ or at once when gloo sees the connection drop).
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import logging
 import os
@@ -38,8 +39,19 @@ from pagedkv.worker.parallel import destroy_group, init_group
 
 log = logging.getLogger("pagedkv.worker")
 POLL_MS = 1000  # how often to check that the control plane is still there
-# glibc mallopt parameters (malloc.h) and the most M_MMAP_THRESHOLD takes on 64-bit (HEAP_MAX_SIZE / 2)
+# glibc's mallopt parameters (malloc.h), and DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: where glibc's own
+# dynamic mmap threshold stops rising (older glibc also refuses a larger one)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX = -1, -3, 32 << 20
+
+
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    """This process's C library if it is glibc (mallopt and malloc_trim are glibc's), else None."""
+    try:
+        libc = ctypes.CDLL(None)
+    except (OSError, TypeError):  # TypeError: Windows names no library for the process itself
+        return None
+    return libc if hasattr(libc, "gnu_get_libc_version") else None  # musl, macOS: other allocators
 
 
 def reuse_freed_host_memory() -> bool:
@@ -47,27 +59,40 @@ def reuse_freed_host_memory() -> bool:
     returning them to the kernel.
 
     By default glibc serves blocks of 128 KiB and up with mmap and trims its heap once that much is
-    free at the top (thresholds it then raises as it sees larger blocks freed, so how often depends on
-    the run), and such memory comes back as fresh pages: a 2,048-token prefill of stories260K
-    (``[2048, 344]`` float32 per layer's gate/up output, 2.8 MB) took up to 1,600 minor page faults
-    and a quarter of its time with them (one thread: 35-39 ms a step, 25-29 without). This raises the mmap threshold to its ceiling, 32 MiB, and
-    the trim threshold to 64 MiB (glibc's own dynamic rule keeps trim at twice mmap), so blocks up to
-    32 MiB are reused from the heap and at most 64 MiB of freed memory stays mapped at its top.
-    Returns True when applied; False, changing nothing, when libc is not glibc or either threshold is
-    set in the environment (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, ``GLIBC_TUNABLES``),
-    which then decides.
+    free at its top; it raises both thresholds when it frees an mmapped block of up to 32 MiB, so
+    how often depends on the run. Memory handed back comes back as fresh pages: a 2,048-token
+    prefill of stories260K (``[2048, 344]`` float32 per layer's gate/up output, 2.8 MB) took up to
+    1,600 minor page faults and a quarter of its time with them (one thread: 35-39 ms a step, 25-29
+    without). This sets the mmap threshold to 32 MiB, the most glibc's dynamic rule reaches, and
+    the trim threshold to twice that (the rule's ratio). Blocks up to 32 MiB then come from the heap
+    and are reused; larger ones are still mapped and faulted afresh each step. The heap keeps its
+    high-water mark: freed blocks below its top stay resident, so RSS does not fall after a large
+    step until `release_freed_host_memory` (the worker calls it when idle).
+
+    Returns True when glibc accepted both settings (also under an LD_PRELOADed jemalloc or
+    tcmalloc, which they then do not govern); False when libc is not glibc, or when
+    ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_`` or a ``GLIBC_TUNABLES`` naming either
+    threshold is set: then nothing is changed and glibc keeps the user's settings (and, for the
+    threshold not named, its static default).
     """
     tunables = os.environ.get("GLIBC_TUNABLES", "")
     if ("MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ
             or "mmap_threshold" in tunables or "trim_threshold" in tunables):
         return False
-    try:
-        libc = ctypes.CDLL(None)
-        libc.gnu_get_libc_version  # glibc only: musl, macOS have other allocators and no such knobs
-    except (OSError, AttributeError):
-        return False
-    return bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
-                and libc.mallopt(_M_TRIM_THRESHOLD, 2 * _MMAP_THRESHOLD_MAX))
+    libc = _glibc()
+    return libc is not None and bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
+                                     and libc.mallopt(_M_TRIM_THRESHOLD, 2 * _MMAP_THRESHOLD_MAX))
+
+
+def release_freed_host_memory() -> None:
+    """Give the heap's free pages back to the kernel (glibc's ``malloc_trim(0)``; nothing elsewhere).
+
+    A CPU worker calls it after `POLL_MS` without a plan, so its RSS falls back once load goes away;
+    the next step then takes its activations' pages afresh once.
+    """
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 def select_device(config: EngineConfig, rank: int) -> torch.device:
@@ -212,6 +237,7 @@ def run(address: str, secret: bytes, rank: int = 0, world_size: int = 1, init_me
     poller.register(monitor, zmq.POLLIN)
     runner: ModelRunner | None = None
     linger_ms = 0
+    release_when_idle = False  # a CPU worker that has stepped since it last gave freed memory back
     try:
         sock.send(channel.seal_from_worker(Register(protocol_version=PROTOCOL_VERSION, pid=os.getpid(), rank=rank,
                                   world_size=world_size)))
@@ -224,6 +250,9 @@ def run(address: str, secret: bytes, rank: int = 0, world_size: int = 1, init_me
                 log.warning("parent process %s is gone; exiting", parent_pid)
                 return
             if sock not in events:
+                if release_when_idle:  # no plan for POLL_MS: hand the last steps' freed memory back
+                    release_freed_host_memory()
+                    release_when_idle = False
                 continue
             frame = sock.recv()
             try:
@@ -250,6 +279,7 @@ def run(address: str, secret: bytes, rank: int = 0, world_size: int = 1, init_me
                         sys.exit(1)
                     continue
                 sock.send(channel.seal_from_worker(reply))
+                release_when_idle = runner.device.type == "cpu"
             elif isinstance(msg, (LoadModel, InitCache)):
                 try:
                     if isinstance(msg, LoadModel):

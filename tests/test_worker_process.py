@@ -184,8 +184,9 @@ libc.mallopt(-3, 128 << 10), libc.mallopt(-1, 128 << 10)  # glibc's static defau
 before, applied = faults(), reuse_freed_host_memory()
 faults()  # the first steps after it grow the heap once
 after = faults()
-blocks = [torch.ones(1 << 20) for _ in range(16)]  # 64 MiB in 4 MiB blocks, now from the heap
-top = torch.ones(1024)  # allocated after them: the heap cannot shrink from its top
+# 40 MiB in 4 MiB blocks, now from the heap; with the steps' 11 MB freed at its top, less than the
+# 64 MiB free there that would trim it
+blocks = [torch.ones(1 << 20) for _ in range(10)]
 base = rss_mib()
 del blocks
 kept = rss_mib()
@@ -205,7 +206,7 @@ def test_the_cpu_worker_reuses_freed_activation_memory_and_gives_it_back_when_to
         check=True).stdout.split()
     # at least one fault per block per step before (more than 600 a block without huge pages), none after
     assert int(before) >= 10 * 4 and applied == "True" and int(after) == 0
-    assert abs(int(freed)) <= 2 and int(released) >= 60  # 64 MiB kept by free(), returned by the release
+    assert abs(int(freed)) <= 2 and int(released) >= 36  # 40 MiB kept by free(), returned by the release
     before, applied, after, *_ = subprocess.run(
         [sys.executable, "-c", _FAULTS], cwd=REPO, env=dict(env, MALLOC_TRIM_THRESHOLD_="131072"),
         capture_output=True, text=True, timeout=120, check=True).stdout.split()

@@ -161,8 +161,10 @@ def load(msg: LoadModel, rank: int = 0, world_size: int = 1, init_method: str | 
         # spinning against each other slow steps by 100x
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         torch.set_num_threads(max(1, ((os.cpu_count() or 2) - 1) // local_ranks))
-    if device.type == "cpu" and reuse_freed_host_memory():
-        log.debug("glibc malloc: blocks up to %d MiB are reused from the heap", _MMAP_THRESHOLD_MAX >> 20)
+    if device.type == "cpu":
+        log.info("cpu: compute threads %d; %s", torch.get_num_threads(),
+                 f"glibc malloc reuses freed blocks up to {_MMAP_THRESHOLD_MAX >> 20} MiB"
+                 if reuse_freed_host_memory() else "malloc thresholds left as they are")
     dtype = select_dtype(cfg, model_config, device)
     log.info("loading weights: %s on %s, %s (rank %d of %d)", model_config.path or "embedded (random)", device, dtype,
              rank, world_size)

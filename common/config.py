@@ -253,6 +253,7 @@ class EngineConfig(msgspec.Struct):
     attention_backend: str | None = None  # None: triton on CUDA, cpu elsewhere
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (they are captured on CUDA by default)
     async_scheduling: bool = True  # schedule step N + 1 while the worker computes N (scheduler.engine)
+    stream_interval: int = 1  # output tokens per streamed delta after the first (vLLM's --stream-interval)
     preemption_mode: str = "auto"  # recompute | swap | auto (cheaper per victim; scheduler.preemption)
     scheduling_policy: str = "fcfs"  # fcfs | priority (lower ``priority`` value first, as vLLM)
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP traces URL; tracing also follows OTEL_* variables

@@ -182,6 +182,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="schedule and send step N + 1 while the worker computes step N, and apply step N's "
                         "tokens (detokenize, stream) while it computes N + 1; a step that would preempt, or "
                         "beam search's next token, waits for the step in flight")
+    g.add_argument("--stream-interval", type=_int_in(1), default=d.stream_interval, metavar="N",
+                   help="output tokens per streamed delta: the first token goes out at once, then every N tokens "
+                        "and the last; N > 1 cuts the server's per-token work (events, JSON, socket writes) at "
+                        "high concurrency, at the cost of a burstier stream (vLLM's --stream-interval)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run decode steps eagerly instead of replaying captured CUDA graphs")
     g.add_argument("--tensor-parallel-size", "-tp", type=_int_in(1), default=d.tensor_parallel_size, metavar="N",
@@ -264,7 +268,7 @@ def _engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         max_choices=args.max_choices, max_stop=args.max_stop, max_logprobs=args.max_logprobs,
         worker_timeout=args.worker_timeout, max_worker_restarts=args.max_worker_restarts,
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-        async_scheduling=args.async_scheduling,
+        async_scheduling=args.async_scheduling, stream_interval=args.stream_interval,
         enable_prefix_caching=args.enable_prefix_caching, prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         preemption_mode=args.preemption_mode, scheduling_policy=args.scheduling_policy,
         otlp_traces_endpoint=args.otlp_traces_endpoint, tensor_parallel_size=args.tensor_parallel_size,

@@ -80,7 +80,7 @@ class Engine:
         self.kv_cache_dtype: str | None = None  # the pool's element type and block size in bytes (worker's)
         self.kv_bytes_per_block: int | None = None
         self.tracer: RequestTracer | None = None
-        self.output = OutputProcessor(tokenizer, self.scheduler, self.max_model_len)
+        self.output = OutputProcessor(tokenizer, self.scheduler, self.max_model_len, config.stream_interval)
         self.step_hooks: list[Callable[[ScheduledStep], None]] = []  # called after each step's tokens are computed
         self._aborts: set[str] = set()
         self._wake = asyncio.Event()

@@ -93,6 +93,8 @@ class RequestStream:
         self.prompt_logprobs_sent: set[int] = set()  # choice indices whose first delta carried them
         self.queued: list[Request] = []  # its sequences set aside while quarantined (Engine._step_failed)
         self.prompt_only = False  # its sampled tokens are dropped (echo with max_tokens 0): none count as output
+        self.held: dict[int, RequestOutput] = {}  # per choice, the delta not yet sent (--stream-interval)
+        self.started: set[int] = set()  # choice indices that sent a delta
 
     @property
     def done(self) -> bool:
@@ -106,10 +108,15 @@ class OutputProcessor:
     and forks sequences through ``scheduler`` (which frees their blocks).
     """
 
-    def __init__(self, tokenizer: Tokenizer, scheduler: Scheduler, max_model_len: int):
+    def __init__(self, tokenizer: Tokenizer, scheduler: Scheduler, max_model_len: int, stream_interval: int = 1):
+        """stream_interval: output tokens per delta after each choice's first (vLLM's ``--stream-interval``);
+        a choice's last delta goes out at once. Raises ValueError when it is < 1."""
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval: must be at least 1, got {stream_interval}")
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.max_model_len = max_model_len
+        self.stream_interval = stream_interval
         self.streams: dict[str, RequestStream] = {}
         self.owner: dict[str, RequestStream] = {}
 
@@ -204,8 +211,8 @@ class OutputProcessor:
             tok = self.tokenizer.token_to_str
             logprobs = [TokenLogprob(token, tok(token), sampled.logprob,
                                      [(t, tok(t), lp) for t, lp in sampled.top_logprobs or []])]
-        stream.queue.put_nowait(self._output(stream, req, req.index, [token], text, logprobs, status,
-                                             stop_reason=stop_reason))
+        self._send(stream, self._output(stream, req, req.index, [token], text, logprobs, status,
+                                        stop_reason=stop_reason))
         if status is None:
             return None
         self.scheduler.finish(req, status)
@@ -248,9 +255,8 @@ class OutputProcessor:
             detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, [], stream.params.skip_special_tokens)
             text = "".join(detok.append(t) for t in hyp.token_ids) + detok.flush()
             status = RequestStatus.FINISHED_STOPPED if hyp.ended_with_eos else RequestStatus.FINISHED_LENGTH
-            stream.queue.put_nowait(RequestOutput(stream.request_id, i, hyp.token_ids, text, None,
-                                                  status.finish_reason, None, req.num_prompt_tokens,
-                                                  len(hyp.token_ids), req.num_cached_tokens))
+            self._send(stream, RequestOutput(stream.request_id, i, hyp.token_ids, text, None, status.finish_reason,
+                                             None, req.num_prompt_tokens, len(hyp.token_ids), req.num_cached_tokens))
             stream.finished.add(i)
         self.end(stream, RequestStatus.FINISHED_LENGTH)
         return RequestStatus.FINISHED_LENGTH
@@ -266,8 +272,24 @@ class OutputProcessor:
         for index in range(stream.n):
             if index not in stream.finished:
                 req = next((m for m in stream.members if m.index == index), first)
-                stream.queue.put_nowait(self._output(stream, req, index, [], "", None, status, error))
+                self._send(stream, self._output(stream, req, index, [], "", None, status, error))
                 stream.finished.add(index)
+
+    def _send(self, stream: RequestStream, out: RequestOutput) -> None:
+        """Queue one choice's delta, merged into the one held back for it, or hold it back: a running
+        choice's delta waits until it carries ``stream_interval`` tokens, except the choice's first."""
+        held = stream.held.pop(out.index, None)
+        if held is not None:
+            logprobs = held.logprobs if out.logprobs is None else \
+                out.logprobs if held.logprobs is None else held.logprobs + out.logprobs
+            out = msgspec.structs.replace(
+                out, token_ids=held.token_ids + out.token_ids, text=held.text + out.text, logprobs=logprobs,
+                prompt_logprobs=held.prompt_logprobs if held.prompt_logprobs is not None else out.prompt_logprobs)
+        if out.finish_reason is None and len(out.token_ids) < self.stream_interval and out.index in stream.started:
+            stream.held[out.index] = out
+            return
+        stream.started.add(out.index)
+        stream.queue.put_nowait(out)
 
     def forget(self, stream: RequestStream) -> None:
         """Drop a finished request's stream and sequence ids."""

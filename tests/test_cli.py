@@ -53,6 +53,7 @@ BAD_FLAGS = [
     (["--worker-secret-file", "/nonexistent/secret"], "--worker-secret-file: [Errno 2]"),
     (["--api-key", ""], "--api-key: keys must not be empty"),
     (["--max-choices", "0"], "argument --max-choices: must be >= 1, got 0"),
+    (["--stream-interval", "0"], "argument --stream-interval: must be >= 1, got 0"),
 ]
 
 
@@ -79,13 +80,14 @@ def test_flags_map_onto_engine_config(stories260k):
                               "--gpu-memory-utilization", "0.5", "--cpu-kv-cache-space", "2", "--swap-space", "1",
                               "--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--max-model-len", "256",
                               "--max-n", "4", "--seed", "7", "--dtype", "float32", "--device", "cpu",
-                              "--load-format", "dummy", "--worker-timeout", "30", "--attention-backend", "torch"])
+                              "--load-format", "dummy", "--worker-timeout", "30", "--attention-backend", "torch",
+                              "--stream-interval", "4"])
     config = _engine_config(args, parser)
     assert (config.model, config.block_size, config.num_gpu_blocks, config.gpu_memory_utilization,
             config.cpu_kv_cache_space, config.swap_space, config.max_num_seqs, config.max_num_batched_tokens,
             config.max_model_len, config.max_n, config.seed, config.dtype, config.device, config.load_format,
-            config.worker_timeout, config.attention_backend) == (
-        str(stories260k), 32, 100, 0.5, 2.0, 1.0, 8, 512, 256, 4, 7, "float32", "cpu", "dummy", 30.0, "torch")
+            config.worker_timeout, config.attention_backend, config.stream_interval) == (
+        str(stories260k), 32, 100, 0.5, 2.0, 1.0, 8, 512, 256, 4, 7, "float32", "cpu", "dummy", 30.0, "torch", 4)
     assert (args.host, args.port) == ("127.0.0.1", 8000)
 
 

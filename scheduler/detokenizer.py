@@ -39,7 +39,13 @@ class IncrementalDetokenizer:
         self._special = tokenizer.special_token_ids if skip_special_tokens else frozenset()
         # Special tokens are dropped before decoding (as a full decode with skip_special_tokens
         # does), so the window never starts on an invisible token and loses a leading space.
-        context = [t for t in prompt_token_ids if t not in self._special][-_INITIAL_CONTEXT_TOKENS:]
+        context: list[int] = []  # read from the end: the cost must not grow with the prompt
+        for t in reversed(prompt_token_ids):
+            if len(context) == _INITIAL_CONTEXT_TOKENS:
+                break
+            if t not in self._special:
+                context.append(t)
+        context.reverse()
         self._ids: list[int] = context
         self._prefix_offset = 0
         self._read_offset = len(context)

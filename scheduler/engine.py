@@ -269,11 +269,8 @@ class Engine:
         # the group at its longest: the cache holds prompt + max_tokens - 1 tokens (the last sampled
         # token is never written), n sequences (or beam width) sharing the prompt's blocks
         group: list[Request] = []
-        longest = prompt_token_ids + [0] * (params.max_tokens - 1)
         members = [Request(f"check-{i}", prompt_token_ids, params, group=group, index=i) for i in range(params.n)]
-        for m in members:
-            m.token_ids = list(longest)
-        self.scheduler.check_fits(members)
+        self.scheduler.check_fits(members, n + params.max_tokens - 1)
 
     async def _iterate(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
         try:

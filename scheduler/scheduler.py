@@ -120,18 +120,18 @@ class Scheduler:
 
     # ---- the submit check ----------------------------------------------------------------------
 
-    def check_fits(self, members: list[Request]) -> None:
+    def check_fits(self, members: list[Request], num_tokens: int) -> None:
         """Raise ValueError unless the sibling group ``members`` could run alone on an empty pool.
 
-        ``members`` are the group's sequences at their longest: prompt plus every output token the
-        cache ever holds (the last sampled token is never written). Within ``max_num_seqs`` (n and
-        beam width count one seat each) and ``num_gpu_blocks`` as `KVCacheManager.num_blocks_needed`
-        counts them, sharing included. The message names the limit.
+        ``members`` are the group's waiting sequences; ``num_tokens`` is each one's length at its
+        longest: prompt plus every output token the cache ever holds (the last sampled token is never
+        written). Within ``max_num_seqs`` (n and beam width count one seat each) and ``num_gpu_blocks``
+        as `KVCacheManager.num_blocks_needed` counts them, sharing included. The message names the limit.
         """
         if members[0].group_width > self.max_num_seqs:
             raise ValueError(f"n: {members[0].group_width} sequences exceed max_num_seqs ({self.max_num_seqs}); "
                              "the group runs all at once")
-        need = self.kv.num_blocks_needed([(m, m.num_tokens) for m in members], empty_pool=True)
+        need = self.kv.num_blocks_needed([(m, num_tokens) for m in members], empty_pool=True)
         if need > self.kv.num_gpu_blocks:
             raise ValueError(f"max_tokens: prompt + max_tokens needs {need} KV blocks but the whole pool "
                              f"has {self.kv.num_gpu_blocks} (num_gpu_blocks, block_size {self.kv.block_size})")

@@ -157,6 +157,14 @@ def test_special_tokens_are_kept_when_asked(tok):
     assert "".join(deltas) == d.output_text == ".<s> Once"
 
 
+def test_context_is_the_prompts_last_five_tokens_after_dropping_special_ones(tok):
+    assert tok.special_token_ids == {0, 1, 2}
+    prompt = list(range(300, 400)) + [403, 407, 1, 2, 261, 378, 1]
+    assert IncrementalDetokenizer(tok, prompt, [], True)._ids == [399, 403, 407, 261, 378]
+    assert IncrementalDetokenizer(tok, prompt, [], False)._ids == [1, 2, 261, 378, 1]
+    assert IncrementalDetokenizer(tok, [1, 2], [], True)._ids == []
+
+
 def test_long_generation_keeps_a_short_window(tok):
     d = IncrementalDetokenizer(tok, GOLDEN_PROMPT_IDS, [], True)
     for _ in range(20):

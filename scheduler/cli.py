@@ -182,10 +182,6 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="schedule and send step N + 1 while the worker computes step N, and apply step N's "
                         "tokens (detokenize, stream) while it computes N + 1; a step that would preempt, or "
                         "beam search's next token, waits for the step in flight")
-    g.add_argument("--stream-interval", type=_int_in(1), default=d.stream_interval, metavar="N",
-                   help="output tokens per streamed delta: the first token goes out at once, then every N tokens "
-                        "and the last; N > 1 cuts the server's per-token work (events, JSON, socket writes) at "
-                        "high concurrency, at the cost of a burstier stream (vLLM's --stream-interval)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run decode steps eagerly instead of replaying captured CUDA graphs")
     g.add_argument("--tensor-parallel-size", "-tp", type=_int_in(1), default=d.tensor_parallel_size, metavar="N",
@@ -268,7 +264,8 @@ def _engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         max_choices=args.max_choices, max_stop=args.max_stop, max_logprobs=args.max_logprobs,
         worker_timeout=args.worker_timeout, max_worker_restarts=args.max_worker_restarts,
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-        async_scheduling=args.async_scheduling, stream_interval=args.stream_interval,
+        async_scheduling=args.async_scheduling,
+        stream_interval=getattr(args, "stream_interval", 1),  # a serve flag: generate and bench do not stream
         enable_prefix_caching=args.enable_prefix_caching, prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         preemption_mode=args.preemption_mode, scheduling_policy=args.scheduling_policy,
         otlp_traces_endpoint=args.otlp_traces_endpoint, tensor_parallel_size=args.tensor_parallel_size,
@@ -561,6 +558,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address the HTTP API listens on")
     serve.add_argument("--port", type=_int_in(0, 65535), default=8000, help="TCP port (0: any free port)")
+    serve.add_argument("--stream-interval", type=_int_in(1), default=1, metavar="N",
+                       help="output tokens per streamed delta: each choice's first token goes out at once, then its "
+                            "tokens N at a time, and its last delta as soon as it ends; N > 1 cuts the server's "
+                            "per-token work (events, JSON, socket writes) at high concurrency, for a burstier "
+                            "stream (vLLM's --stream-interval)")
     sec = serve.add_argument_group("access and limits")
     sec.add_argument("--api-key", action="append", default=None, metavar="KEY",
                      help="require `Authorization: Bearer KEY` on every route but /health and /metrics "

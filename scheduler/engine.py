@@ -171,7 +171,7 @@ class Engine:
                  block_size=config.block_size,
                  num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
                  kv_bytes_per_block=hello.kv_bytes_per_block, max_model_len=engine.max_model_len,
-                 async_scheduling=config.async_scheduling)
+                 async_scheduling=config.async_scheduling, stream_interval=config.stream_interval)
         return engine
 
     @property

@@ -39,7 +39,7 @@ class IncrementalDetokenizer:
         self._special = tokenizer.special_token_ids if skip_special_tokens else frozenset()
         # Special tokens are dropped before decoding (as a full decode with skip_special_tokens
         # does), so the window never starts on an invisible token and loses a leading space.
-        context: list[int] = []  # read from the end: the cost must not grow with the prompt
+        context: list[int] = []  # read back from the end, stopping after the fifth ordinary token
         for t in reversed(prompt_token_ids):
             if len(context) == _INITIAL_CONTEXT_TOKENS:
                 break

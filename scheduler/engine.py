@@ -270,7 +270,7 @@ class Engine:
         # token is never written), n sequences (or beam width) sharing the prompt's blocks
         group: list[Request] = []
         members = [Request(f"check-{i}", prompt_token_ids, params, group=group, index=i) for i in range(params.n)]
-        self.scheduler.check_fits(members, n + params.max_tokens - 1)
+        self.scheduler.check_fits(members, len(prompt_token_ids) + params.max_tokens - 1)
 
     async def _iterate(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
         try:

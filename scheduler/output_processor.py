@@ -279,12 +279,13 @@ class OutputProcessor:
         """Queue one choice's delta, merged into the one held back for it, or hold it back: a running
         choice's delta waits until it carries ``stream_interval`` tokens, except the choice's first."""
         held = stream.held.pop(out.index, None)
-        if held is not None:
+        if held is not None and out.finish_reason == "error":  # the API sends an error delta's text nowhere
+            stream.queue.put_nowait(held)
+        elif held is not None:  # never a choice's first delta, so it carries no prompt_logprobs
             logprobs = held.logprobs if out.logprobs is None else \
                 out.logprobs if held.logprobs is None else held.logprobs + out.logprobs
-            out = msgspec.structs.replace(
-                out, token_ids=held.token_ids + out.token_ids, text=held.text + out.text, logprobs=logprobs,
-                prompt_logprobs=held.prompt_logprobs if held.prompt_logprobs is not None else out.prompt_logprobs)
+            out = msgspec.structs.replace(out, token_ids=held.token_ids + out.token_ids, text=held.text + out.text,
+                                          logprobs=logprobs)
         if out.finish_reason is None and len(out.token_ids) < self.stream_interval and out.index in stream.started:
             stream.held[out.index] = out
             return

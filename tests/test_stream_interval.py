@@ -3,10 +3,14 @@ then its tokens in deltas of N, and its last delta as soon as it ends.
 
 What must hold: every choice's whole output (token ids, text, finish and stop reasons, logprobs) equals
 the output at N = 1; each delta's size is exact; a delta held back when the request ends early
-(an abort) goes out with the final delta, so no token is lost; every block comes back.
+(an abort) goes out with the final delta, and before it when the request fails (the API sends an
+error delta's text nowhere), so no token is lost; every block comes back.
 """
 
 import asyncio
+import json
+import os
+import signal
 
 import aiohttp
 import pytest
@@ -63,7 +67,7 @@ async def test_each_choice_equals_interval_one_in_deltas_of_n(start):
     results = {}
     for interval in (1, 4):
         engine = await start(stream_interval=interval)
-        results[interval] = await run(engine)
+        results[interval] = await asyncio.wait_for(run(engine), 120)  # a delta held forever hangs here
         assert_all_blocks_free(engine)
     for one, four in zip(results[1], results[4]):
         assert one.keys() == four.keys()
@@ -101,6 +105,24 @@ async def test_tokens_held_back_when_a_request_is_aborted_go_out_with_its_last_d
     assert_all_blocks_free(engine)
 
 
+async def test_tokens_held_back_when_a_request_fails_go_out_before_its_error_delta(start):
+    engine = await start(stream_interval=100, max_worker_restarts=0)
+    stream = engine.add_request(GOLDEN_PROMPT_IDS, SamplingParams(temperature=0, max_tokens=60), "failed")
+    first = await anext(stream)
+    while engine.scheduler.requests["failed"].num_output_tokens < 3:
+        await asyncio.sleep(0.001)
+    os.kill(engine.client.process.pid, signal.SIGKILL)
+    rest = await asyncio.wait_for(_drain(stream), 60)
+    assert [o.finish_reason for o in rest] == [None, "error"] and rest[1].token_ids == [] and rest[1].text == ""
+    tokens = first.token_ids + rest[0].token_ids
+    assert len(tokens) >= 3 and tokens == GOLDEN_OUTPUT_IDS[:len(tokens)]
+    assert first.text + rest[0].text == GOLDEN_COMPLETION[:len(first.text + rest[0].text)]
+
+
+async def _drain(stream) -> list:
+    return [out async for out in stream]
+
+
 async def test_sse_stream_sends_a_chunk_per_interval(start):
     engine = await start(stream_interval=4)
     server = TestServer(build_app(engine), host="127.0.0.1", port=0)
@@ -114,7 +136,6 @@ async def test_sse_stream_sends_a_chunk_per_interval(start):
         await server.close()
     events = [line.removeprefix("data: ") for line in body.split("\n") if line.startswith("data: ")]
     assert events[-1] == "[DONE]" and len(events) == 16 + 1  # 1 + 14 x 4 + 3 tokens, then [DONE]
-    import json
     chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
     assert "".join(c["text"] for c in chunks) == GOLDEN_COMPLETION
     assert [c["finish_reason"] for c in chunks] == [None] * 15 + ["length"]

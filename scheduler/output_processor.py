@@ -94,7 +94,6 @@ class RequestStream:
         self.queued: list[Request] = []  # its sequences set aside while quarantined (Engine._step_failed)
         self.prompt_only = False  # its sampled tokens are dropped (echo with max_tokens 0): none count as output
         self.held: dict[int, RequestOutput] = {}  # per choice, the delta not yet sent (--stream-interval)
-        self.started: set[int] = set()  # choice indices that sent a delta
 
     @property
     def done(self) -> bool:
@@ -277,19 +276,20 @@ class OutputProcessor:
 
     def _send(self, stream: RequestStream, out: RequestOutput) -> None:
         """Queue one choice's delta, merged into the one held back for it, or hold it back: a running
-        choice's delta waits until it carries ``stream_interval`` tokens, except the choice's first."""
+        choice's delta waits until it carries ``stream_interval`` tokens, except the choice's first
+        (it carries all the choice's tokens so far)."""
         held = stream.held.pop(out.index, None)
         if held is not None and out.finish_reason == "error":  # the API sends an error delta's text nowhere
             stream.queue.put_nowait(held)
         elif held is not None:  # never a choice's first delta, so it carries no prompt_logprobs
-            logprobs = held.logprobs if out.logprobs is None else \
-                out.logprobs if held.logprobs is None else held.logprobs + out.logprobs
+            logprobs = None if held.logprobs is None and out.logprobs is None else \
+                (held.logprobs or []) + (out.logprobs or [])
             out = msgspec.structs.replace(out, token_ids=held.token_ids + out.token_ids, text=held.text + out.text,
                                           logprobs=logprobs)
-        if out.finish_reason is None and len(out.token_ids) < self.stream_interval and out.index in stream.started:
+        n = len(out.token_ids)
+        if out.finish_reason is None and n < self.stream_interval and n < out.num_output_tokens:
             stream.held[out.index] = out
             return
-        stream.started.add(out.index)
         stream.queue.put_nowait(out)
 
     def forget(self, stream: RequestStream) -> None:

@@ -37,12 +37,13 @@ WORKLOAD = [
 ]
 
 
+async def _drain(stream) -> list:
+    return [out async for out in stream]
+
+
 async def run(engine) -> list[dict[int, list]]:
     """Per request, choice index -> its deltas in order."""
-    async def drain(stream):
-        return [out async for out in stream]
-
-    outs = await asyncio.gather(*[drain(engine.add_request(p, sp)) for p, sp in WORKLOAD])
+    outs = await asyncio.gather(*[_drain(engine.add_request(p, sp)) for p, sp in WORKLOAD])
     results = []
     for deltas in outs:
         choices: dict[int, list] = {}
@@ -97,7 +98,7 @@ async def test_tokens_held_back_when_a_request_is_aborted_go_out_with_its_last_d
     while engine.scheduler.requests["held"].num_output_tokens < 3:
         await asyncio.sleep(0.001)
     engine.abort("held")
-    rest = [out async for out in stream]
+    rest = await _drain(stream)
     assert len(first.token_ids) == 1 and len(rest) == 1 and rest[0].finish_reason == "abort"
     tokens = first.token_ids + rest[0].token_ids
     assert len(tokens) == rest[0].num_output_tokens >= 3 and tokens == GOLDEN_OUTPUT_IDS[:len(tokens)]
@@ -117,10 +118,6 @@ async def test_tokens_held_back_when_a_request_fails_go_out_before_its_error_del
     tokens = first.token_ids + rest[0].token_ids
     assert len(tokens) >= 3 and tokens == GOLDEN_OUTPUT_IDS[:len(tokens)]
     assert first.text + rest[0].text == GOLDEN_COMPLETION[:len(first.text + rest[0].text)]
-
-
-async def _drain(stream) -> list:
-    return [out async for out in stream]
 
 
 async def test_sse_stream_sends_a_chunk_per_interval(start):

@@ -1,6 +1,7 @@
 """The capacity planner's arithmetic, on the real Llama 3.1 8B config (exact values)."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -9,13 +10,15 @@ from pagedkv.common.capacity import plan
 from pagedkv.common.config import ModelConfig
 from pagedkv.scheduler.cli import main
 
-LLAMA_8B = Path(__file__).resolve().parents[2] / "shared/model-configs/llama-3.1-8b"
+# $PAGEDKV_MODEL_CONFIGS, else ../shared/model-configs next to the repository
+LLAMA_8B = Path(os.environ.get("PAGEDKV_MODEL_CONFIGS")
+                or Path(__file__).resolve().parents[2] / "shared/model-configs") / "llama-3.1-8b"
 
 
 @pytest.fixture(scope="module")
 def llama():
     if not (LLAMA_8B / "config.json").is_file():
-        pytest.fail(f"Llama 3.1 8B config not found at {LLAMA_8B}")
+        pytest.fail(f"Llama 3.1 8B config not found at {LLAMA_8B} (set PAGEDKV_MODEL_CONFIGS)")
     return ModelConfig.load(str(LLAMA_8B))
 
 

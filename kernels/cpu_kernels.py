@@ -10,11 +10,14 @@ both; with the tiles, C is also the faster at 2,048 tokens, 2.4-2.7x at head_dim
 ``cpu_ops.c`` holds a layer's small per-token operations (`rms_norm`, `rotary_embedding`,
 `write_kv_cache`, `silu_and_mul`): a few microseconds of arithmetic each, behind tens of microseconds
 of PyTorch per-op overhead on a small model; RoPE and the KV write are bit-identical to the reference's.
+RMSNorm, RoPE and the KV write also take bfloat16 activations: there PyTorch's RMSNorm and RoPE
+were each a tenth of a bfloat16 prefill step of a ~200M model on a CPU with AMX, where the
+projections' GEMMs are fast; each op rounds to bfloat16 where PyTorch's would.
 
 The C files are compiled on first use with the system C compiler (``$CC``, else ``cc``) into
 ``$PAGEDKV_CACHE_DIR`` (default ``~/.cache/pagedkv``), keyed by a hash of the source, flags and CPU,
 and loaded with ctypes: about a second each, once per machine. Without a compiler, or for a pool
-whose element type the kernels do not handle (float16), or for tensors not float32, or off the CPU,
+whose element type the kernels do not handle (float16), or for tensors neither float32 nor bfloat16, or off the CPU,
 the reference's PyTorch code runs instead: same results, slower; `fused_available` says which, and
 the worker logs it at start. Same signatures as `kernels.reference`.
 """
@@ -91,9 +94,9 @@ def _library(source_name: str = "cpu_attention.c") -> ctypes.CDLL | None:
     signatures = {  # name: (argument types, result type)
         "paged_attention_fused": ([p, p, p, i32, p, p, i64, p, p, i64, i32, i32, i32, i32, i32, i64, i64, f32, f32, f32,
                                    p, i32], i32),
-        "rms_norm": ([p, i64, p, f32, i64, i32, p, i64], None),
-        "rotary_embedding": ([p, i64, i32, p, i64, i32, i32, p, p, i64], None),
-        "write_kv_cache": ([p, i64, p, i64, p, p, i32, p, i64, i32, i64], i32),
+        "rms_norm": ([i32, p, i64, p, f32, i64, i32, p, i64], None),
+        "rotary_embedding": ([i32, p, i64, i32, p, i64, i32, i32, p, p, i64], None),
+        "write_kv_cache": ([p, i64, p, i64, p, p, i32, i32, p, i64, i32, i64], i32),
         "silu_and_mul": ([p, i64, i64, i32, p, i64], None),
     }
     for name, (argtypes, restype) in signatures.items():
@@ -188,11 +191,12 @@ def paged_attention(
 
 
 def _rows(x: torch.Tensor) -> bool:
-    """Whether x (``[num_tokens, ...]``, float32, on the CPU, not empty) has each token's row contiguous,
-    whatever the stride between rows (a slice of a wider tensor qualifies): what cpu_ops.c reads.
-    Plain stride arithmetic: this runs several times per layer per step."""
+    """Whether x (``[num_tokens, ...]``, float32 or bfloat16, on the CPU, not empty) has each token's row
+    contiguous, whatever the stride between rows (a slice of a wider tensor qualifies): what cpu_ops.c
+    reads. Plain stride arithmetic: this runs several times per layer per step."""
     shape, strides = x.shape, x.stride()
-    if x.dtype != torch.float32 or not x.is_cpu or len(shape) < 2 or shape[0] == 0:
+    if (x.dtype is not torch.float32 and x.dtype is not torch.bfloat16) or not x.is_cpu or len(shape) < 2 \
+            or shape[0] == 0:
         return False
     row = 1
     for size, stride in zip(reversed(shape[1:]), reversed(strides[1:])):
@@ -203,18 +207,19 @@ def _rows(x: torch.Tensor) -> bool:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`reference.rms_norm` (same arguments and result), in C for float32 on the CPU.
+    """`reference.rms_norm` (same arguments and result), in C for float32 and bfloat16 on the CPU.
 
-    x: ``[num_tokens, hidden_size]``, rows contiguous (a slice qualifies); weight ``[hidden_size]``.
-    The sum of squares is taken in another order than PyTorch's: results differ by float rounding.
+    x: ``[num_tokens, hidden_size]``, rows contiguous (a slice qualifies); weight ``[hidden_size]`` of
+    x's dtype. The sum of squares is taken in another order than PyTorch's: results differ by float
+    rounding (for bfloat16, now and then by one unit in the last place).
     """
     lib = _library("cpu_ops.c")
-    if (lib is None or x.dim() != 2 or not _rows(x) or weight.dtype != torch.float32 or not weight.is_contiguous()
+    if (lib is None or x.dim() != 2 or not _rows(x) or weight.dtype != x.dtype or not weight.is_contiguous()
             or weight.shape != x.shape[1:]):
         return reference.rms_norm(x, weight, eps)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    lib.rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), eps, x.shape[0], x.shape[1], out.data_ptr(),
-                 out.stride(0))
+    lib.rms_norm(_KINDS[x.dtype], x.data_ptr(), x.stride(0), weight.data_ptr(), eps, x.shape[0], x.shape[1],
+                 out.data_ptr(), out.stride(0))
     return out
 
 
@@ -222,10 +227,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """`reference.silu_and_mul` (same argument and result), in C for float32 on the CPU: one pass over x.
 
     x: ``[num_tokens, 2 * intermediate_size]``, rows contiguous. Its e^x is a polynomial: results
-    differ from PyTorch's silu by float rounding.
+    differ from PyTorch's silu by float rounding. bfloat16 takes the reference (see cpu_ops.c).
     """
     lib = _library("cpu_ops.c")
-    if lib is None or x.dim() != 2 or not _rows(x) or x.shape[1] % 2:
+    if lib is None or x.dim() != 2 or x.dtype != torch.float32 or not _rows(x) or x.shape[1] % 2:
         return reference.silu_and_mul(x)
     out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype)
     lib.silu_and_mul(x.data_ptr(), x.stride(0), x.shape[0], out.shape[1], out.data_ptr(), out.stride(0))
@@ -234,19 +239,21 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`reference.rotary_embedding`, bit-identical, in C for float32 on the CPU: q and k are rotated IN PLACE
-    and returned.
+    """`reference.rotary_embedding`, bit-identical, in C for float32 and bfloat16 on the CPU: q and k are
+    rotated IN PLACE and returned.
 
-    q: ``[num_tokens, num_heads, head_dim]``, k: ``[num_tokens, num_kv_heads, head_dim]``, each token's
-    row contiguous (slices of one fused QKV output qualify); cos, sin: ``[num_tokens, head_dim // 2]``.
+    q: ``[num_tokens, num_heads, head_dim]``, k: ``[num_tokens, num_kv_heads, head_dim]`` of q's dtype,
+    each token's row contiguous (slices of one fused QKV output qualify); cos, sin: float32
+    ``[num_tokens, head_dim // 2]``.
     """
     lib = _library("cpu_ops.c")
-    if (lib is None or not (_rows(q) and _rows(k)) or not (cos.is_contiguous() and sin.is_contiguous())
+    if (lib is None or not (_rows(q) and _rows(k)) or k.dtype != q.dtype
+            or not (cos.is_contiguous() and sin.is_contiguous())
             or cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.shape != sin.shape
             or cos.shape != (q.shape[0], q.shape[2] // 2) or k.shape[::2] != q.shape[::2]):
         return reference.rotary_embedding(q, k, cos, sin)
-    lib.rotary_embedding(q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0), k.shape[1], q.shape[2],
-                         cos.data_ptr(), sin.data_ptr(), q.shape[0])
+    lib.rotary_embedding(_KINDS[q.dtype], q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0), k.shape[1],
+                         q.shape[2], cos.data_ptr(), sin.data_ptr(), q.shape[0])
     return q, k
 
 
@@ -259,15 +266,16 @@ def write_kv_cache(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> None:
-    """`reference.write_kv_cache` (same arguments, bit-identical), in C for float32 K/V into a float32 or
-    bfloat16 CPU pool; fp8 pools (quantized with the scales) take the reference.
+    """`reference.write_kv_cache` (same arguments, bit-identical), in C for float32 or bfloat16 K/V into a
+    float32 or bfloat16 CPU pool; fp8 pools (quantized with the scales) take the reference.
 
     key, value: ``[num_tokens, num_kv_heads, head_dim]``, each token's row contiguous; slot_mapping
     ``[num_tokens]`` int64, -1 = skip. Raises IndexError, writing nothing, for a slot outside the pool.
     """
     lib = _library("cpu_ops.c")
     if (lib is None or k_cache.dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != k_cache.dtype
-            or not (_rows(key) and _rows(value)) or not k_cache.is_cpu or key.shape[1:] != k_cache.shape[2:]
+            or not (_rows(key) and _rows(value)) or value.dtype != key.dtype or not k_cache.is_cpu
+            or key.shape[1:] != k_cache.shape[2:]
             or value.shape != key.shape or slot_mapping.shape != key.shape[:1]
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
         reference.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
@@ -275,7 +283,7 @@ def write_kv_cache(
     slots = slot_mapping.to(torch.int64).contiguous()
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     rc = lib.write_kv_cache(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), k_cache.data_ptr(),
-                            v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16), slots.data_ptr(), key.shape[0],
+                            v_cache.data_ptr(), _KINDS[key.dtype], _KINDS[k_cache.dtype], slots.data_ptr(), key.shape[0],
                             k_cache.shape[2] * k_cache.shape[3], num_slots)
     if rc != 0:
         raise IndexError(f"slot_mapping names a slot outside the pool's {num_slots}")

@@ -1,8 +1,10 @@
-"""The CPU backend's C layer ops (`kernels/cpu_ops.c`) against the PyTorch reference.
+"""The CPU backend's C layer ops (`kernels/cpu_kernels.py`, `kernels/cpu_ops.c`) against the PyTorch reference.
 
 RoPE and the KV write must be bit-identical to `kernels.reference` (the C file is built without
--ffast-math for that); RMSNorm sums its squares in another order and silu_and_mul takes e^x from a
-polynomial, so those are held to float rounding.
+-ffast-math for that), in float32 and bfloat16; RMSNorm sums its squares in another order and
+silu_and_mul (float32 only) takes e^x from a polynomial, so those are held to float rounding: in
+float32 a relative 1e-5; RMSNorm in bfloat16 to one unit in the last place, where nearly every
+element is equal (the rounding to bfloat16 after each op absorbs float32's last bits).
 """
 
 from __future__ import annotations
@@ -19,10 +21,10 @@ def _ops_build():
     assert cpu_kernels._library("cpu_ops.c") is not None, "cpu_ops.c did not build (is a C compiler installed?)"
 
 
-def qkv(num_tokens, num_heads=8, num_kv_heads=4, head_dim=8, seed=0):
+def qkv(num_tokens, num_heads=8, num_kv_heads=4, head_dim=8, seed=0, dtype=torch.float32):
     """q, k, v as slices of one fused projection's output (rows wider than each), as the model makes them."""
     gen = torch.Generator().manual_seed(seed)
-    fused = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+    fused = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)
     q, k, v = fused.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     return (q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim),
             v.view(num_tokens, num_kv_heads, head_dim))
@@ -35,10 +37,24 @@ def angles(num_tokens, head_dim, seed=1):
     return freqs.cos(), freqs.sin()
 
 
-@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(8, 4, 8), (32, 8, 128), (6, 2, 6)])
+def ulps(got, want):
+    """Per element, how many representable values apart two bfloat16 tensors of one sign are."""
+    return (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+
+
+def assert_bf16_close(got, want):
+    """At most one unit in the last place apart, and equal but for at most 1 in 1,000 elements."""
+    assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
+    assert (torch.sign(got) == torch.sign(want)).all()
+    assert ulps(got, want).max() <= 1
+    assert (got != want).float().mean() <= 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(8, 4, 8), (32, 8, 128), (6, 2, 6), (16, 4, 64)])
 def test_rotary_embedding_is_bit_identical_to_the_reference_on_slices_of_a_fused_projection(
-        num_heads, num_kv_heads, head_dim):
-    q, k, _ = qkv(37, num_heads, num_kv_heads, head_dim)
+        num_heads, num_kv_heads, head_dim, dtype):
+    q, k, _ = qkv(37, num_heads, num_kv_heads, head_dim, dtype=dtype)
     cos, sin = angles(37, head_dim)
     want_q, want_k = reference.rotary_embedding(q.clone(), k.clone(), cos, sin)
     got_q, got_k = cpu_kernels.rotary_embedding(q, k, cos, sin)
@@ -49,10 +65,13 @@ def test_rotary_embedding_is_bit_identical_to_the_reference_on_slices_of_a_fused
 def test_rotary_embedding_of_other_dtypes_takes_the_reference():
     q, k, _ = qkv(5)
     cos, sin = angles(5, 8)
-    q16, k16 = q.to(torch.bfloat16), k.to(torch.bfloat16)
+    q16, k16 = q.to(torch.float16), k.to(torch.float16)
     got_q, got_k = cpu_kernels.rotary_embedding(q16, k16, cos, sin)
     want_q, want_k = reference.rotary_embedding(q16, k16, cos, sin)
-    assert got_q.dtype == torch.bfloat16 and torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    assert got_q.data_ptr() != q16.data_ptr()  # the reference's new tensors: C does not take float16
+    assert got_q.dtype == torch.float16 and torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    got_q, got_k = cpu_kernels.rotary_embedding(q.to(torch.bfloat16), k, cos, sin)  # mixed dtypes: the reference too
+    assert got_q.dtype == torch.bfloat16 and got_k.dtype == torch.float32
 
 
 @pytest.mark.parametrize("hidden_size", [64, 4096, 13])  # stories260K, Llama-3.1-8B, not a multiple of 8
@@ -69,16 +88,35 @@ def test_rms_norm_equals_the_reference_to_float_rounding(hidden_size):
     assert cpu_kernels.rms_norm(x[:0], weight, 1e-5).shape == (0, hidden_size)  # a step that samples no row
 
 
+@pytest.mark.parametrize("hidden_size", [64, 1024, 4096, 13])
+def test_rms_norm_in_bfloat16_equals_the_reference_to_its_last_place(hidden_size):
+    gen = torch.Generator().manual_seed(hidden_size)
+    x = (torch.randn(64, 2 * hidden_size, generator=gen) * 3).to(torch.bfloat16)[:, :hidden_size]  # wider rows
+    weight = torch.randn(hidden_size, generator=gen).to(torch.bfloat16)
+    got = cpu_kernels.rms_norm(x, weight, 1e-5)
+    assert_bf16_close(got, reference.rms_norm(x, weight, 1e-5))
+    # x / rms is rounded to bfloat16 before the weight multiplies it, as HF's LlamaRMSNorm does: one
+    # rounding instead of two would differ from the reference in about a tenth of the elements
+    rms = x.float().pow(2).mean(-1, keepdim=True).add(1e-5).rsqrt()
+    once = (weight.float() * (x.float() * rms)).to(torch.bfloat16)
+    assert (got != once).float().mean() > 0.01
+    mixed = cpu_kernels.rms_norm(x, weight.float(), 1e-5)  # a float32 weight promotes, as in the reference
+    assert mixed.dtype == torch.float32 and torch.equal(mixed, reference.rms_norm(x, weight.float(), 1e-5))
+
+
 def pools(dtype, num_blocks=6, block_size=4, num_kv_heads=4, head_dim=8):
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     return torch.full(shape, 7.0).to(dtype), torch.full(shape, -7.0).to(dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_write_kv_cache_is_bit_identical_to_the_reference(dtype):
+@pytest.mark.parametrize("dtype, kv_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                             (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)])
+def test_write_kv_cache_is_bit_identical_to_the_reference(dtype, kv_dtype):
+    """dtype: the pool's; kv_dtype: the model's K and V (float32 into a bfloat16 pool rounds)."""
     _, k, v = qkv(6)
     k[0, 0, 0], k[1, 0, 0], v[2, 1, 3] = float("nan"), float("inf"), 1.00390625  # NaN, inf, a bf16 tie (1 + 2^-8)
     k[3, 2, 1] = 1.01171875  # a tie that rounds up to even (1 + 3 x 2^-8)
+    k, v = k.to(kv_dtype), v.to(kv_dtype)
     slots = torch.tensor([3, -1, 0, 23, 12, 5])  # -1: padding, skipped; 23: the pool's last slot
     want_k, want_v = pools(dtype)
     reference.write_kv_cache(k, v, want_k, want_v, slots)
@@ -158,10 +196,11 @@ def test_silu_and_mul_equals_the_reference_to_float_rounding(intermediate_size):
     assert cpu_kernels.silu_and_mul(x[:0]).shape == (0, intermediate_size)
 
 
-def test_silu_and_mul_of_other_dtypes_takes_the_reference():
-    x = torch.randn(5, 16).to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_silu_and_mul_of_other_dtypes_takes_the_reference(dtype):
+    x = torch.randn(5, 16).to(dtype)
     got = cpu_kernels.silu_and_mul(x)
-    assert got.dtype == torch.bfloat16 and torch.equal(got, reference.silu_and_mul(x))
+    assert got.dtype == dtype and torch.equal(got, reference.silu_and_mul(x))
 
 
 def test_a_missing_c_source_means_the_reference_not_a_crash(caplog):

@@ -28,9 +28,10 @@ CPU = torch.device("cpu")
 class Driver:
     """A minimal control plane for tests: hands out blocks from a shuffled free list and builds plans."""
 
-    def __init__(self, model_path, block_size=16, num_blocks=96, num_cpu_blocks=16, seed=0, shuffle=True):
-        cfg = EngineConfig(model=str(model_path), block_size=block_size, seed=seed)
-        self.runner = ModelRunner(cfg, CPU, torch.float32)
+    def __init__(self, model_path, block_size=16, num_blocks=96, num_cpu_blocks=16, seed=0, shuffle=True,
+                 dtype=torch.float32, attention_backend=None):
+        cfg = EngineConfig(model=str(model_path), block_size=block_size, seed=seed, attention_backend=attention_backend)
+        self.runner = ModelRunner(cfg, CPU, dtype)
         self.runner.init_cache(num_blocks, num_cpu_blocks)
         self.bs = block_size
         self.free = list(range(num_blocks))
@@ -334,6 +335,20 @@ def test_bfloat16_weights_and_cache_still_pick_the_golden_first_token(stories260
     assert runner.cache.k_caches[0].dtype == torch.bfloat16
     plan = StepPlan(0, [NewRequestData("a", GOLDEN_PROMPT_IDS, 5, [2], 0, 5, GREEDY)])
     assert runner.execute(plan).sampled[0].token_id == 432
+
+
+def test_bfloat16_on_the_c_kernels_continues_as_on_the_pytorch_reference(stories260k):
+    """bfloat16 through the cpu backend (C RMSNorm, RoPE, KV write and attention; PyTorch SwiGLU) and the
+    torch backend (every op `kernels.reference`'s): the same 40 greedy tokens over scattered blocks."""
+    outputs = {}
+    for backend in ("cpu", "torch"):
+        d = Driver(stories260k, dtype=torch.bfloat16, attention_backend=backend)
+        assert d.runner.cache.k_caches[0].dtype == torch.bfloat16
+        d.add("a", GOLDEN_PROMPT_IDS)
+        d.step({"a": 5})
+        d.decode(["a"], 39)
+        outputs[backend] = d.output("a")
+    assert outputs["cpu"] == outputs["torch"] == GOLDEN_OUTPUT_IDS[:40]  # and the float32 golden, this far
 
 
 def test_attention_backend_is_chosen_once_at_load_from_the_config():

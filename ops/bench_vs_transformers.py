@@ -2,7 +2,9 @@
 
 Same model (a Llama checkpoint directory, e.g. stories260K), same prompts (random token ids of
 the trace's scaled context lengths), same output lengths (the trace's scaled GeneratedTokens,
-EOS ignored), greedy, on the same CPU. All requests are available at time 0 (offline throughput).
+EOS ignored), greedy, same dtype, on the same CPU with the same number of compute threads: those
+pagedkv's worker takes ($OMP_NUM_THREADS, else all cores but one, left to its control plane).
+All requests are available at time 0 (offline throughput).
 
 - pagedkv: one in-process engine (its worker process), continuous batching over the paged KV
   cache; every request generates exactly its own output length.
@@ -15,7 +17,7 @@ Throughput = requested output tokens / wall time from the first request to the l
     python ops/bench_vs_transformers.py --model ../shared/models/stories260K --trace conv \\
         --num-requests 64 --hf-batch-size 8,32 [--json out.json]
     python ops/bench_vs_transformers.py --model /tmp/llama-200m --load-format dummy \\
-        --num-requests 16 --hf-batch-size 8,16 --repeats 2       # weights-bound (ops/weights_bound_model.py)
+        --num-requests 64 --hf-batch-size 8,32 --repeats 2 [--dtype bfloat16]  # weights-bound (ops/weights_bound_model.py)
 
 transformers (and torch) are imported here only: an optional dependency (pip install 'pagedkv[bench]').
 """
@@ -26,6 +28,7 @@ import argparse
 import asyncio
 import importlib.util
 import json
+import os
 import random
 import statistics
 import sys
@@ -37,18 +40,20 @@ from pagedkv.bench.replay import (ATTRIBUTION, auto_token_scale, build_requests,
 
 
 def run_transformers(model_dir: str, prompts: list[list[int]], max_tokens: list[int], batch_size: int,
-                     threads: int | None = None, load_format: str = "auto") -> dict:
+                     threads: int | None = None, load_format: str = "auto", dtype: str = "float32") -> dict:
     """Static-batch greedy generation with transformers; returns wall seconds and token counts.
-    load_format "dummy": random weights from config.json (a directory without weights), as pagedkv's."""
+    load_format "dummy": random weights from config.json (a directory without weights), as pagedkv's;
+    dtype: the weights' and activations' torch dtype name (float32, bfloat16)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if threads:
         torch.set_num_threads(threads)
+    torch_dtype = getattr(torch, dtype)
     if load_format == "dummy":
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), torch_dtype=torch_dtype)
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch_dtype)
     model.eval()
     pad = 0
     start = time.perf_counter()
@@ -82,17 +87,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                    help="dummy: random weights in both engines (a directory without weights, e.g. "
                         "ops/weights_bound_model.py's); throughput only, the outputs are noise")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="weights and activations in both engines; bfloat16 on a CPU with AMX makes a step "
+                        "weights-bound, as on a GPU (lscpu: amx_bf16)")
+    p.add_argument("--hf-threads", type=int, default=None,
+                   help="transformers' compute threads (default: pagedkv's worker's, as printed)")
     p.add_argument("--json", default=None, metavar="FILE")
     args = p.parse_args(argv)
     try:
         batch_sizes = [int(x) for x in args.hf_batch_size.split(",")]
     except ValueError:
         p.error(f"--hf-batch-size must be comma-separated integers, got {args.hf_batch_size!r}")
-    if args.num_requests < 1 or args.repeats < 1 or any(b < 1 for b in batch_sizes):
-        p.error("--num-requests, --repeats and --hf-batch-size must be >= 1")
+    if args.num_requests < 1 or args.repeats < 1 or any(b < 1 for b in batch_sizes) \
+            or (args.hf_threads is not None and args.hf_threads < 1):
+        p.error("--num-requests, --repeats, --hf-batch-size and --hf-threads must be >= 1")
     if importlib.util.find_spec("transformers") is None:
         p.error("this comparison needs transformers: pip install 'pagedkv[bench]'")
 
+    # pagedkv's worker takes $OMP_NUM_THREADS, else leaves one core to the control plane (worker.py)
+    worker_threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 2) - 1))
+    hf_threads = args.hf_threads or worker_threads
     model = ModelConfig.load(args.model)
     max_model_len = resolve_max_model_len(model, None)
     path = resolve_trace(args.trace)
@@ -104,13 +118,13 @@ def main(argv: list[str] | None = None) -> int:
     max_tokens = [r.max_tokens for r in requests]
 
     config = EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs, seed=args.seed,
-                          load_format=args.load_format)
+                          load_format=args.load_format, dtype=args.dtype)
     rounds = []  # each: (pagedkv summary, [transformers result per batch size]); load on a shared machine drifts
     for i in range(args.repeats):
         run_paged = lambda: asyncio.run(run_in_process(config, requests, seed=args.seed, progress=False,  # noqa: E731
                                                        desc="pagedkv", account_kv_every_step=False))
-        run_hf = lambda: [run_transformers(args.model, prompts, max_tokens, b,  # noqa: E731
-                                           load_format=args.load_format) for b in batch_sizes]
+        run_hf = lambda: [run_transformers(args.model, prompts, max_tokens, b, threads=hf_threads,  # noqa: E731
+                                           load_format=args.load_format, dtype=args.dtype) for b in batch_sizes]
         if i % 2 == 0:
             paged, hf = run_paged(), run_hf()
         else:
@@ -122,8 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     median_ratio = [statistics.median(r[j] for r in ratios) for j in range(len(batch_sizes))]
     paged, hf = rounds[0]
 
-    print(f"{len(requests)} requests from {path.name}, tokens x{scale:.4f} (max_model_len / p99), {clipped} clipped; "
-          f"mean prompt {sum(map(len, prompts)) / len(prompts):.1f}, mean output {sum(max_tokens) / len(max_tokens):.1f}")
+    print(f"{len(requests)} requests from {path.name}, {args.dtype}, tokens x{scale:.4f} (max_model_len / p99), {clipped} clipped; "
+          f"mean prompt {sum(map(len, prompts)) / len(prompts):.1f}, mean output {sum(max_tokens) / len(max_tokens):.1f}; "
+          f"compute threads: pagedkv's worker {worker_threads}, transformers {hf_threads}")
     print("\n| engine | batching | wall s | output tok/s | req/s | pagedkv / this |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
     print(f"| pagedkv | continuous, paged KV | {paged['duration_s']:.2f} | {paged['output_token_throughput']:.1f} "
@@ -138,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump({"rounds": [{"pagedkv": p, "transformers": h} for p, h in rounds], "ratios": ratios,
                        "median_ratio": median_ratio, "token_scale": scale, "num_clipped": clipped,
+                       "dtype": args.dtype, "threads": {"pagedkv_worker": worker_threads, "transformers": hf_threads},
                        "trace": path.name, "machine": machine_info(), "attribution": ATTRIBUTION}, f, indent=1)
     return 0
 

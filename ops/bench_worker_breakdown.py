@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_worker_host  # noqa: E402  (its decode-step driver)
 
 
-def _runner(model: str, backend: str | None, num_blocks: int, max_num_seqs: int):
+def _runner(model: str, backend: str | None, num_blocks: int, max_num_seqs: int, dtype: str = "float32"):
     import torch
 
     from pagedkv.common.config import EngineConfig, ModelConfig
@@ -48,7 +48,7 @@ def _runner(model: str, backend: str | None, num_blocks: int, max_num_seqs: int)
     dummy = not os.path.exists(os.path.join(model, "model.safetensors"))
     cfg = EngineConfig(model=model, block_size=16, max_num_seqs=max_num_seqs, attention_backend=backend,
                        load_format="dummy" if dummy else "auto")
-    runner = ModelRunner(cfg, torch.device("cpu"), torch.float32, mc)
+    runner = ModelRunner(cfg, torch.device("cpu"), getattr(torch, dtype), mc)
     runner.init_cache(num_blocks, 0)
     return runner, mc
 
@@ -109,6 +109,7 @@ def main() -> None:
                    "or the prompts' lengths L1,L2,...")
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--attention-backend", default=None)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights, activations, KV cache")
     args = p.parse_args()
     acc: dict[str, float] = collections.defaultdict(float)
     if args.prefill:
@@ -121,7 +122,7 @@ def main() -> None:
         else:
             lengths = [int(x) for x in args.prefill.split(",")]
         per = -(-max(lengths) // 16)
-        runner, mc = _runner(args.model, args.attention_backend, len(lengths) * per + 1, len(lengths))
+        runner, mc = _runner(args.model, args.attention_backend, len(lengths) * per + 1, len(lengths), args.dtype)
         _instrument(runner, acc)
         greedy, previous = SamplingParams(temperature=0.0, max_tokens=8), []
         for k in range(4):
@@ -136,7 +137,7 @@ def main() -> None:
             _report(acc, 1)
         return
     n, context = (int(x) for x in args.shape.split("x"))
-    runner, mc = _runner(args.model, args.attention_backend, n * -(-(context + args.steps + 8) // 16), n)
+    runner, mc = _runner(args.model, args.attention_backend, n * -(-(context + args.steps + 8) // 16), n, args.dtype)
     _instrument(runner, acc)
     execute, calls = runner.execute, [0]
 

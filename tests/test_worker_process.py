@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import subprocess
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import zmq
 from conftest import GOLDEN_PROMPT_IDS
 
@@ -219,3 +221,16 @@ def test_the_cpu_worker_reuses_freed_activation_memory_and_gives_it_back_when_to
 def test_a_malloc_threshold_in_the_environment_is_left_to_glibc(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     assert reuse_freed_host_memory() is False
+
+
+@pytest.mark.parametrize("flags, dtype, hinted", [({"avx512f", "amx_bf16"}, "auto", True), ({"avx512f"}, "auto", False),
+                                                  ({"amx_bf16"}, "float32", False), ({"amx_bf16"}, "bfloat16", False)])
+def test_a_cpu_with_amx_bf16_hints_at_bfloat16_when_the_dtype_was_left_to_auto(
+        monkeypatch, caplog, stories260k, flags, dtype, hinted):
+    from pagedkv.worker import worker
+
+    monkeypatch.setattr(worker, "cpu_flags", lambda: flags)
+    with caplog.at_level(logging.INFO, logger="pagedkv.worker"):
+        runner, _ = worker.load(LoadModel(config=EngineConfig(model=str(stories260k), device="cpu", dtype=dtype)))
+    assert runner.dtype == (torch.bfloat16 if dtype == "bfloat16" else torch.float32)
+    assert ("--dtype bfloat16 computes several times faster" in caplog.text) == hinted

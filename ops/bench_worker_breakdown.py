@@ -11,12 +11,12 @@ microseconds per call). Two step kinds:
   one step, four such steps (each frees the previous requests); every step is printed.
 
     python ops/bench_worker_breakdown.py --model ../shared/models/stories260K --shape 256x100
-
-Another tree's interpreter measures that tree (e.g. ``/work/wt/base/.venv/bin/python``; before issue 10
-the model had no ``kernels`` and attention is counted in "rest of forward").
     python ops/bench_worker_breakdown.py --model ../shared/models/stories260K --prefill 19x108
-    python ops/bench_worker_breakdown.py --model ../shared/models/stories260K \
-        --prefill 45,48,106,11,11,46,158,47,29,25,47,47,158,267,47,50,14,44,25,163,24,22,47,491
+    python ops/bench_worker_breakdown.py --model ../shared/models/stories260K --prefill 45,48,106,11,491
+    python ops/bench_worker_breakdown.py --model /tmp/llama-200m --prefill 24x85 --dtype bfloat16
+
+The interpreter of another checkout measures that checkout's code (its ``.venv/bin/python``); in
+trees before the C kernels the model had no ``kernels`` and attention counts in "rest of forward".
 """
 
 from __future__ import annotations
@@ -68,10 +68,10 @@ def _instrument(runner, acc: dict) -> None:
     if getattr(kernels, "fused_available", lambda: False)():
         lib = kernels._library()
         name = "paged_attention_fused" if hasattr(lib, "paged_attention_fused") else "paged_decode_attention"
-        setattr(lib, name, timed("attention: C fused kernel", getattr(lib, name)))  # older trees' name too
+        setattr(lib, name, timed("  of attention: the C fused kernel", getattr(lib, name)))  # older trees' name too
     ref = sys.modules["pagedkv.kernels.reference"]
     if hasattr(ref, "batched_paged_attention"):
-        ref.batched_paged_attention = timed("attention: batched torch", ref.batched_paged_attention)
+        ref.batched_paged_attention = timed("  of attention: batched torch", ref.batched_paged_attention)
     for layer in runner.model.model.layers:
         if kernels is not None:
             parts = {"paged_attention": "attention", "write_kv_cache": "write_kv_cache",
@@ -107,10 +107,13 @@ def main() -> None:
     p.add_argument("--shape", default="256x100", help="decode: N running x C context tokens")
     p.add_argument("--prefill", default=None, help="a prefill step instead: N new requests x L prompt tokens, "
                    "or the prompts' lengths L1,L2,...")
-    p.add_argument("--steps", type=int, default=25)
+    p.add_argument("--steps", type=int, default=25,
+                   help="decode steps to run (>= 4); the mean is over all but the first two (default: 25)")
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights, activations, KV cache")
     args = p.parse_args()
+    if args.steps < 4:  # bench_worker_host's driver keeps the steps after its third
+        p.error(f"--steps must be at least 4, got {args.steps}")
     acc: dict[str, float] = collections.defaultdict(float)
     if args.prefill:
         from pagedkv.common.protocol import NewRequestData, StepPlan

@@ -223,14 +223,19 @@ def test_a_malloc_threshold_in_the_environment_is_left_to_glibc(monkeypatch, nam
     assert reuse_freed_host_memory() is False
 
 
-@pytest.mark.parametrize("flags, dtype, hinted", [({"avx512f", "amx_bf16"}, "auto", True), ({"avx512f"}, "auto", False),
-                                                  ({"amx_bf16"}, "float32", False), ({"amx_bf16"}, "bfloat16", False)])
-def test_a_cpu_with_amx_bf16_hints_at_bfloat16_when_the_dtype_was_left_to_auto(
-        monkeypatch, caplog, stories260k, flags, dtype, hinted):
+@pytest.mark.parametrize("flags, dtype, weight_bytes, hinted", [
+    ({"avx512f", "amx_bf16"}, "auto", 800_000_000, True), ({"avx512f"}, "auto", 800_000_000, False),
+    ({"amx_bf16"}, "float32", 800_000_000, False), ({"amx_bf16"}, "bfloat16", 800_000_000, False),
+    ({"amx_bf16"}, "auto", None, False)])  # None: stories260K's own ~1 MB, slower in bfloat16
+def test_a_cpu_with_amx_bf16_hints_at_bfloat16_for_a_large_model_when_the_dtype_was_left_to_auto(
+        monkeypatch, caplog, stories260k, flags, dtype, weight_bytes, hinted):
+    from pagedkv.common.config import ModelConfig
     from pagedkv.worker import worker
 
     monkeypatch.setattr(worker, "cpu_flags", lambda: flags)
+    if weight_bytes is not None:  # stories260K's weights, counted as a ~200M model's
+        monkeypatch.setattr(ModelConfig, "weight_bytes", lambda self, dtype: weight_bytes)
     with caplog.at_level(logging.INFO, logger="pagedkv.worker"):
         runner, _ = worker.load(LoadModel(config=EngineConfig(model=str(stories260k), device="cpu", dtype=dtype)))
     assert runner.dtype == (torch.bfloat16 if dtype == "bfloat16" else torch.float32)
-    assert ("--dtype bfloat16 computes several times faster" in caplog.text) == hinted
+    assert ("--dtype bfloat16 computes a model of this size several times faster" in caplog.text) == hinted

@@ -175,10 +175,12 @@ def load(msg: LoadModel, rank: int = 0, world_size: int = 1, init_method: str | 
                  f"glibc malloc reuses freed blocks up to {_MMAP_THRESHOLD_MAX >> 20} MiB"
                  if reuse_freed_host_memory() else "malloc thresholds left as they are")
     dtype = select_dtype(cfg, model_config, device)
-    if device.type == "cpu" and dtype == torch.float32 and cfg.dtype == "auto" and "amx_bf16" in cpu_flags():
-        # measured on a ~200M Llama (docs/benchmarks.md): decode steps 2.6x, prefill 4x faster in bfloat16
-        log.info("cpu: this CPU has AMX-BF16 matrix units: --dtype bfloat16 computes several times faster; "
-                 "float32 is the CPU default (results as a float32 reference's)")
+    if (device.type == "cpu" and dtype == torch.float32 and cfg.dtype == "auto" and "amx_bf16" in cpu_flags()
+            and model_config.weight_bytes("float32") >= 400_000_000):
+        # a ~200M Llama's decode steps ran 2.6x, its prefill 4x faster in bfloat16 (docs/benchmarks.md);
+        # a tiny model's (stories260K) ran slower: its steps are not matrix work
+        log.info("cpu: this CPU has AMX-BF16 matrix units: --dtype bfloat16 computes a model of this size "
+                 "several times faster; float32 is the CPU default (results as a float32 reference's)")
     log.info("loading weights: %s on %s, %s (rank %d of %d)", model_config.path or "embedded (random)", device, dtype,
              rank, world_size)
     start = time.monotonic()

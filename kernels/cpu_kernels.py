@@ -45,11 +45,17 @@ __all__ = ["paged_attention", "write_kv_cache", "copy_blocks", "swap_blocks", "r
            "silu_and_mul", "fused_available"]
 
 # -O3 vectorizes the per-element loops; -march=native uses this CPU's vector width, so a build is
-# keyed by the CPU (below). For the attention, -ffast-math lets the compiler reassociate the dot
-# products (results differ from the oracle by float rounding only, tested to 1e-5); cpu_ops.c is
-# built without it, so that its results round as PyTorch's do.
+# keyed by the CPU (below). For the attention, -ffast-math's parts let the compiler reassociate the
+# dot products and fuse multiply-adds (results differ from the oracle by float rounding only, tested
+# to 1e-5); not the flag itself, which links crtfastmath.o: loading the library switched on
+# flush-to-zero in the loading thread for good, PyTorch's float32 included (the kernel is no faster
+# with it). cpu_ops.c is built without them, and without contraction into fused multiply-adds
+# (Clang's default), so that its results round as PyTorch's do.
 _FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=c11", "-pthread"]
-_SOURCE_FLAGS = {"cpu_attention.c": ["-ffast-math"], "cpu_ops.c": ["-fno-math-errno"]}  # sqrtf inline
+_SOURCE_FLAGS = {"cpu_attention.c": ["-fassociative-math", "-freciprocal-math", "-fno-signed-zeros",
+                                     "-fno-trapping-math", "-ffinite-math-only", "-fno-math-errno",
+                                     "-ffp-contract=fast"],
+                 "cpu_ops.c": ["-fno-math-errno", "-ffp-contract=off"]}  # -fno-math-errno: sqrtf inline
 # Sequences with up to this many new tokens run in C (the tiles beat the batched GEMMs at 2,048 on
 # every shape of ops/bench_cpu_attention.py: 2.4-15x); longer prefill chunks in batched GEMMs.
 # 2,048 is the default max_num_batched_tokens, so by default every prefill chunk runs in C.
@@ -210,8 +216,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`reference.rms_norm` (same arguments and result), in C for float32 and bfloat16 on the CPU.
 
     x: ``[num_tokens, hidden_size]``, rows contiguous (a slice qualifies); weight ``[hidden_size]`` of
-    x's dtype. The sum of squares is taken in another order than PyTorch's: results differ by float
-    rounding (for bfloat16, now and then by one unit in the last place).
+    x's dtype (another dtype takes the reference, which promotes). The sum of squares is taken in
+    another order than PyTorch's: results differ by float rounding (for bfloat16, rarely, by up to
+    two units in the last place).
     """
     lib = _library("cpu_ops.c")
     if (lib is None or x.dim() != 2 or not _rows(x) or weight.dtype != x.dtype or not weight.is_contiguous()
@@ -239,15 +246,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`reference.rotary_embedding`, bit-identical, in C for float32 and bfloat16 on the CPU: q and k are
-    rotated IN PLACE and returned.
+    """`reference.rotary_embedding`, bit-identical but for NaN's bits, in C for float32 and bfloat16 on the
+    CPU: q and k are rotated IN PLACE and returned.
 
     q: ``[num_tokens, num_heads, head_dim]``, k: ``[num_tokens, num_kv_heads, head_dim]`` of q's dtype,
     each token's row contiguous (slices of one fused QKV output qualify); cos, sin: float32
-    ``[num_tokens, head_dim // 2]``.
+    ``[num_tokens, head_dim // 2]``. Other cases (float16, q and k of different dtypes, an odd
+    head_dim) take the reference, and its new tensors or its errors.
     """
     lib = _library("cpu_ops.c")
-    if (lib is None or not (_rows(q) and _rows(k)) or k.dtype != q.dtype
+    if (lib is None or not (_rows(q) and _rows(k)) or k.dtype != q.dtype or q.shape[2] % 2
             or not (cos.is_contiguous() and sin.is_contiguous())
             or cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.shape != sin.shape
             or cos.shape != (q.shape[0], q.shape[2] // 2) or k.shape[::2] != q.shape[::2]):
@@ -266,8 +274,9 @@ def write_kv_cache(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> None:
-    """`reference.write_kv_cache` (same arguments, bit-identical), in C for float32 or bfloat16 K/V into a
-    float32 or bfloat16 CPU pool; fp8 pools (quantized with the scales) take the reference.
+    """`reference.write_kv_cache` (same arguments, bit-identical but for NaN's bits), in C for float32 or
+    bfloat16 K/V (both of one dtype) into a float32 or bfloat16 CPU pool; fp8 pools (quantized with
+    the scales) and K and V of different dtypes take the reference.
 
     key, value: ``[num_tokens, num_kv_heads, head_dim]``, each token's row contiguous; slot_mapping
     ``[num_tokens]`` int64, -1 = skip. Raises IndexError, writing nothing, for a slot outside the pool.
@@ -283,7 +292,7 @@ def write_kv_cache(
     slots = slot_mapping.to(torch.int64).contiguous()
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     rc = lib.write_kv_cache(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), k_cache.data_ptr(),
-                            v_cache.data_ptr(), _KINDS[key.dtype], _KINDS[k_cache.dtype], slots.data_ptr(), key.shape[0],
-                            k_cache.shape[2] * k_cache.shape[3], num_slots)
+                            v_cache.data_ptr(), _KINDS[key.dtype], _KINDS[k_cache.dtype], slots.data_ptr(),
+                            key.shape[0], k_cache.shape[2] * k_cache.shape[3], num_slots)
     if rc != 0:
         raise IndexError(f"slot_mapping names a slot outside the pool's {num_slots}")

@@ -1,7 +1,7 @@
 /* A decoder layer's small per-token operations for CPUs: RMSNorm, rotary embedding (RoPE), the
  * KV-cache write and SwiGLU's activation (silu_and_mul). Built and loaded by kernels/cpu_kernels.py
- * like cpu_attention.c, but without -ffast-math: in plain ISO C (-std=c11, so no contraction into
- * fused multiply-adds) each result is rounded as PyTorch's own float32 ops round it, so RoPE and the
+ * like cpu_attention.c, but without its fast-math flags and with -ffp-contract=off (no contraction
+ * into fused multiply-adds): each result is rounded as PyTorch's own float32 ops round it, so RoPE and the
  * KV write are bit-identical to kernels/reference.py; RMSNorm differs only in the order of its sum
  * of squares, and silu_and_mul's e^x is a polynomial (relative error ~1e-7): float rounding.
  *
@@ -14,7 +14,8 @@
  * Element types: float32 or bfloat16 (`kind`, the model's dtype; a bfloat16 KV pool for either),
  * except silu_and_mul, float32 only.
  * bfloat16 is computed in float32 and rounded to bfloat16 wherever the reference's PyTorch ops
- * round (to nearest, ties to even): after each op, as a bfloat16 tensor holds every intermediate.
+ * round (to nearest, ties to even): RMSNorm after its normalisation and after the weight, RoPE and
+ * the KV write once, at the cast. NaN becomes 0x7fc0 where PyTorch may keep other NaN bits.
  * Layouts: rows of tokens with a given stride in elements (a row may be a slice of a wider tensor,
  * e.g. a fused QKV projection's output); within a row, heads x head_dim contiguous.
  */
@@ -59,12 +60,12 @@ static inline __attribute__((always_inline)) float round1(int kind, float x) {
     return kind == BF16 ? from_bf16(to_bf16(x)) : x;
 }
 
-/* Elements per kind, for byte offsets. */
+/* Bytes per element of a kind. */
 static inline int64_t elem_bytes(int kind) { return kind == BF16 ? 2 : 4; }
 
 /* out[t] = weight * (x[t] / sqrt(mean(x[t]^2) + eps)) for num_tokens rows of `size` elements
  * (Zhang & Sennrich 2019; HF's LlamaRMSNorm: the norm in float32, x / rms rounded to x's type before
- * the weight multiplies it). x, weight and out are all of `kind`. out may be x. */
+ * the weight multiplies it). x, weight and out are all of `kind`. */
 static inline __attribute__((always_inline)) void rms_norm_rows(
         const int kind, const void *restrict x, int64_t x_stride, const void *restrict weight, float eps,
         int64_t num_tokens, int size, void *restrict out, int64_t out_stride) {
@@ -158,9 +159,15 @@ int write_kv_cache(const void *key, int64_t key_stride, const void *value, int64
             memcpy(kd, kt, (size_t)(row_size * dst));
             memcpy(vd, vt, (size_t)(row_size * dst));
         } else if (dst_kind == BF16) {  /* float32 K/V into a bfloat16 pool */
-            for (int i = 0; i < row_size; i++) store1(BF16, kd, i, load1(F32, kt, i)), store1(BF16, vd, i, load1(F32, vt, i));
+            for (int i = 0; i < row_size; i++) {
+                store1(BF16, kd, i, load1(F32, kt, i));
+                store1(BF16, vd, i, load1(F32, vt, i));
+            }
         } else {
-            for (int i = 0; i < row_size; i++) store1(F32, kd, i, load1(BF16, kt, i)), store1(F32, vd, i, load1(BF16, vt, i));
+            for (int i = 0; i < row_size; i++) {
+                store1(F32, kd, i, load1(BF16, kt, i));
+                store1(F32, vd, i, load1(BF16, vt, i));
+            }
         }
     }
     return 0;
@@ -182,9 +189,9 @@ static inline f32x8 silu8(f32x8 g) {
 
 /* SwiGLU's activation (Shazeer 2020): out[t][i] = silu(x[t][i]) * x[t][size + i], for rows t of x
  * ([num_tokens][2 * size], rows x_stride apart: the fused gate/up projection's output, gate first)
- * into out ([num_tokens][size], rows out_stride apart), float32 only: in bfloat16 PyTorch's own
- * silu and multiply (16 lanes with AVX-512) were twice as fast as this 8-lane loop with its
- * conversions (ops/bench_worker_breakdown.py --dtype bfloat16, 2026-12-03). */
+ * into out ([num_tokens][size], rows out_stride apart), float32 only: a bfloat16 version of this
+ * 8-lane loop, with its conversions, took twice as long as PyTorch's own silu and multiply (16 lanes
+ * with AVX-512) on a 2,040 x 2,816 prefill step, so bfloat16 stays on PyTorch (cpu_kernels.py). */
 void silu_and_mul(const float *restrict x, int64_t x_stride, int64_t num_tokens, int size, float *restrict out,
                   int64_t out_stride) {
     for (int64_t t = 0; t < num_tokens; t++) {

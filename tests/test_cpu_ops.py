@@ -1,13 +1,18 @@
 """The CPU backend's C layer ops (`kernels/cpu_kernels.py`, `kernels/cpu_ops.c`) against the PyTorch reference.
 
 RoPE and the KV write must be bit-identical to `kernels.reference` (the C file is built without
--ffast-math for that), in float32 and bfloat16; RMSNorm sums its squares in another order and
-silu_and_mul (float32 only) takes e^x from a polynomial, so those are held to float rounding: in
-float32 a relative 1e-5; RMSNorm in bfloat16 to one unit in the last place, where nearly every
-element is equal (the rounding to bfloat16 after each op absorbs float32's last bits).
+fast-math flags and without contraction for that), in float32 and bfloat16, but for NaN's bit
+pattern; RMSNorm sums its squares in another order and silu_and_mul (float32 only) takes e^x from a
+polynomial, so those are held to float rounding: in float32 a relative 1e-5; RMSNorm in bfloat16 to
+two units in the last place, where nearly every element is equal (over 40 seeds, 1 to 7 in 100,000
+differed: a sum one float32 ulp apart can move x / rms by one bfloat16 ulp, and the weight's
+product by two).
 """
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -43,11 +48,18 @@ def ulps(got, want):
 
 
 def assert_bf16_close(got, want):
-    """At most one unit in the last place apart, and equal but for at most 1 in 1,000 elements."""
+    """At most two units in the last place apart, and equal but for at most 1 in 1,000 elements."""
     assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
     assert (torch.sign(got) == torch.sign(want)).all()
-    assert ulps(got, want).max() <= 1
+    assert ulps(got, want).max() <= 2
     assert (got != want).float().mean() <= 1e-3
+
+
+def refuse(name):
+    """A stand-in for a reference op that fails the test if called: the C path must take the case."""
+    def fail(*args, **kwargs):
+        raise AssertionError(f"reference.{name} ran where cpu_ops.c should have")
+    return fail
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -70,8 +82,16 @@ def test_rotary_embedding_of_other_dtypes_takes_the_reference():
     want_q, want_k = reference.rotary_embedding(q16, k16, cos, sin)
     assert got_q.data_ptr() != q16.data_ptr()  # the reference's new tensors: C does not take float16
     assert got_q.dtype == torch.float16 and torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
-    got_q, got_k = cpu_kernels.rotary_embedding(q.to(torch.bfloat16), k, cos, sin)  # mixed dtypes: the reference too
-    assert got_q.dtype == torch.bfloat16 and got_k.dtype == torch.float32
+    for q_mixed, k_mixed in ((q.to(torch.bfloat16), k), (q, k.to(torch.bfloat16))):  # mixed: the reference too
+        want_q, want_k = reference.rotary_embedding(q_mixed, k_mixed, cos, sin)
+        got_q, got_k = cpu_kernels.rotary_embedding(q_mixed, k_mixed, cos, sin)
+        assert got_q.data_ptr() != q_mixed.data_ptr() and got_k.data_ptr() != k_mixed.data_ptr()
+        assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    q_odd, k_odd, _ = qkv(3, 2, 1, 7)  # an odd head_dim has no rotate_half pairing: the reference's error
+    with pytest.raises(RuntimeError):
+        reference.rotary_embedding(q_odd, k_odd, *angles(3, 7))
+    with pytest.raises(RuntimeError):
+        cpu_kernels.rotary_embedding(q_odd, k_odd, *angles(3, 7))
 
 
 @pytest.mark.parametrize("hidden_size", [64, 4096, 13])  # stories260K, Llama-3.1-8B, not a multiple of 8
@@ -89,12 +109,15 @@ def test_rms_norm_equals_the_reference_to_float_rounding(hidden_size):
 
 
 @pytest.mark.parametrize("hidden_size", [64, 1024, 4096, 13])
-def test_rms_norm_in_bfloat16_equals_the_reference_to_its_last_place(hidden_size):
+def test_rms_norm_in_bfloat16_equals_the_reference_to_its_last_places(hidden_size, monkeypatch):
     gen = torch.Generator().manual_seed(hidden_size)
     x = (torch.randn(64, 2 * hidden_size, generator=gen) * 3).to(torch.bfloat16)[:, :hidden_size]  # wider rows
     weight = torch.randn(hidden_size, generator=gen).to(torch.bfloat16)
-    got = cpu_kernels.rms_norm(x, weight, 1e-5)
-    assert_bf16_close(got, reference.rms_norm(x, weight, 1e-5))
+    want = reference.rms_norm(x, weight, 1e-5)
+    with monkeypatch.context() as m:
+        m.setattr(reference, "rms_norm", refuse("rms_norm"))
+        got = cpu_kernels.rms_norm(x, weight, 1e-5)
+    assert_bf16_close(got, want)
     # x / rms is rounded to bfloat16 before the weight multiplies it, as HF's LlamaRMSNorm does: one
     # rounding instead of two would differ from the reference in about a tenth of the elements
     rms = x.float().pow(2).mean(-1, keepdim=True).add(1e-5).rsqrt()
@@ -111,20 +134,48 @@ def pools(dtype, num_blocks=6, block_size=4, num_kv_heads=4, head_dim=8):
 
 @pytest.mark.parametrize("dtype, kv_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
                                              (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)])
-def test_write_kv_cache_is_bit_identical_to_the_reference(dtype, kv_dtype):
-    """dtype: the pool's; kv_dtype: the model's K and V (float32 into a bfloat16 pool rounds)."""
+def test_write_kv_cache_is_bit_identical_to_the_reference(dtype, kv_dtype, monkeypatch):
+    """dtype: the pool's; kv_dtype: the model's K and V (float32 into a bfloat16 pool rounds). NaNs
+    stay NaN, whatever their payload, but their bits may differ (PyTorch's vector rounding writes 0xffff)."""
     _, k, v = qkv(6)
     k[0, 0, 0], k[1, 0, 0], v[2, 1, 3] = float("nan"), float("inf"), 1.00390625  # NaN, inf, a bf16 tie (1 + 2^-8)
     k[3, 2, 1] = 1.01171875  # a tie that rounds up to even (1 + 3 x 2^-8)
+    payloads = torch.tensor([0x7FFFFFFF, -1, 0x7F800001], dtype=torch.int32).view(torch.float32)  # NaNs: 0xffffffff
+    k[4, 3, :3], v[5, 0, :3] = payloads, payloads  # a payload that plain rounding would turn into inf, 0 or -0
     k, v = k.to(kv_dtype), v.to(kv_dtype)
     slots = torch.tensor([3, -1, 0, 23, 12, 5])  # -1: padding, skipped; 23: the pool's last slot
     want_k, want_v = pools(dtype)
     reference.write_kv_cache(k, v, want_k, want_v, slots)
     got_k, got_v = pools(dtype)
-    cpu_kernels.write_kv_cache(k, v, got_k, got_v, slots)
-    torch.testing.assert_close(got_k, want_k, rtol=0, atol=0, equal_nan=True)  # exact; NaN stays NaN
-    assert torch.equal(got_v, want_v)
+    with monkeypatch.context() as m:
+        m.setattr(reference, "write_kv_cache", refuse("write_kv_cache"))
+        cpu_kernels.write_kv_cache(k, v, got_k, got_v, slots)
+    torch.testing.assert_close(got_k, want_k, rtol=0, atol=0, equal_nan=True)  # exact, NaN where NaN
+    torch.testing.assert_close(got_v, want_v, rtol=0, atol=0, equal_nan=True)
+    assert got_k.view(-1, 4, 8)[12, 3, :3].isnan().all() and got_v.view(-1, 4, 8)[5, 0, :3].isnan().all()
     assert torch.equal(got_k.view(-1, 4, 8)[1], torch.full((4, 8), 7.0).to(dtype))  # untouched slot
+
+
+@pytest.mark.parametrize("key_dtype, value_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)])
+def test_write_kv_cache_of_mixed_key_and_value_dtypes_takes_the_reference(key_dtype, value_dtype):
+    _, k, v = qkv(4)
+    k, v = k.to(key_dtype), v.to(value_dtype)
+    slots = torch.tensor([0, 9, -1, 2])
+    want_k, want_v = pools(torch.bfloat16)
+    reference.write_kv_cache(k, v, want_k, want_v, slots)
+    got_k, got_v = pools(torch.bfloat16)
+    cpu_kernels.write_kv_cache(k, v, got_k, got_v, slots)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
+def test_loading_the_c_kernels_leaves_float32_denormals_as_they_are():
+    """-ffast-math as a flag links crtfastmath.o, whose constructor switches on flush-to-zero in the
+    thread that loads the library: every later PyTorch op there would turn denormals into 0."""
+    probe = ("import torch; from pagedkv.kernels import cpu_kernels; "
+             "assert cpu_kernels._library() and cpu_kernels._library('cpu_ops.c'); "
+             "print((torch.tensor([1e-40]) * 0.5).item())")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert float(out.stdout) == pytest.approx(5e-41, rel=1e-3)
 
 
 def test_write_kv_cache_refuses_a_slot_outside_the_pool_and_writes_nothing():

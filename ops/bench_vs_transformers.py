@@ -3,7 +3,8 @@
 Same model (a Llama checkpoint directory, e.g. stories260K), same prompts (random token ids of
 the trace's scaled context lengths), same output lengths (the trace's scaled GeneratedTokens,
 EOS ignored), greedy, same dtype, on the same CPU with the same number of compute threads: those
-pagedkv's worker takes ($OMP_NUM_THREADS, else all cores but one, left to its control plane).
+pagedkv's worker takes (`worker.cpu_compute_threads`: $OMP_NUM_THREADS, else all cores but one,
+left to its control plane).
 All requests are available at time 0 (offline throughput).
 
 - pagedkv: one in-process engine (its worker process), continuous batching over the paged KV
@@ -17,7 +18,7 @@ Throughput = requested output tokens / wall time from the first request to the l
     python ops/bench_vs_transformers.py --model ../shared/models/stories260K --trace conv \\
         --num-requests 64 --hf-batch-size 8,32 [--json out.json]
     python ops/bench_vs_transformers.py --model /tmp/llama-200m --load-format dummy \\
-        --num-requests 64 --hf-batch-size 8,32 --repeats 2 [--dtype bfloat16]  # weights-bound (ops/weights_bound_model.py)
+        --num-requests 64 --hf-batch-size 8,32 --repeats 2 [--dtype bfloat16]  # weights-bound (weights_bound_model.py)
 
 transformers (and torch) are imported here only: an optional dependency (pip install 'pagedkv[bench]').
 """
@@ -28,13 +29,13 @@ import argparse
 import asyncio
 import importlib.util
 import json
-import os
 import random
 import statistics
 import sys
 import time
 
 from pagedkv.common.config import EngineConfig, ModelConfig, resolve_max_model_len
+from pagedkv.worker.worker import cpu_compute_threads
 from pagedkv.bench.replay import (ATTRIBUTION, auto_token_scale, build_requests, load_trace, machine_info, random_prompt,
                              resolve_trace, run_in_process)
 
@@ -88,10 +89,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="dummy: random weights in both engines (a directory without weights, e.g. "
                         "ops/weights_bound_model.py's); throughput only, the outputs are noise")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="weights and activations in both engines; bfloat16 on a CPU with AMX makes a step "
-                        "weights-bound, as on a GPU (lscpu: amx_bf16)")
+                   help="weights and activations in both engines (default: float32); bfloat16 on a CPU with "
+                        "AMX makes a decode step weights-bound, as on a GPU (lscpu: amx_bf16)")
     p.add_argument("--hf-threads", type=int, default=None,
-                   help="transformers' compute threads (default: pagedkv's worker's, as printed)")
+                   help="transformers' compute threads (default: those pagedkv's worker takes, "
+                        "$OMP_NUM_THREADS, else all cores but one; both are printed)")
     p.add_argument("--json", default=None, metavar="FILE")
     args = p.parse_args(argv)
     try:
@@ -104,8 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     if importlib.util.find_spec("transformers") is None:
         p.error("this comparison needs transformers: pip install 'pagedkv[bench]'")
 
-    # pagedkv's worker takes $OMP_NUM_THREADS, else leaves one core to the control plane (worker.py)
-    worker_threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 2) - 1))
+    worker_threads = cpu_compute_threads()  # what pagedkv's worker will take; before transformers sets any
     hf_threads = args.hf_threads or worker_threads
     model = ModelConfig.load(args.model)
     max_model_len = resolve_max_model_len(model, None)
@@ -136,8 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     median_ratio = [statistics.median(r[j] for r in ratios) for j in range(len(batch_sizes))]
     paged, hf = rounds[0]
 
-    print(f"{len(requests)} requests from {path.name}, {args.dtype}, tokens x{scale:.4f} (max_model_len / p99), {clipped} clipped; "
-          f"mean prompt {sum(map(len, prompts)) / len(prompts):.1f}, mean output {sum(max_tokens) / len(max_tokens):.1f}; "
+    print(f"{len(requests)} requests from {path.name}, {args.dtype}, tokens x{scale:.4f} (max_model_len / p99), "
+          f"{clipped} clipped; "
+          f"mean prompt {sum(map(len, prompts)) / len(prompts):.1f}, "
+          f"mean output {sum(max_tokens) / len(max_tokens):.1f}; "
           f"compute threads: pagedkv's worker {worker_threads}, transformers {hf_threads}")
     print("\n| engine | batching | wall s | output tok/s | req/s | pagedkv / this |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import platform
 import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 import zmq
@@ -223,19 +223,33 @@ def test_a_malloc_threshold_in_the_environment_is_left_to_glibc(monkeypatch, nam
     assert reuse_freed_host_memory() is False
 
 
-@pytest.mark.parametrize("flags, dtype, weight_bytes, hinted", [
-    ({"avx512f", "amx_bf16"}, "auto", 800_000_000, True), ({"avx512f"}, "auto", 800_000_000, False),
-    ({"amx_bf16"}, "float32", 800_000_000, False), ({"amx_bf16"}, "bfloat16", 800_000_000, False),
-    ({"amx_bf16"}, "auto", None, False)])  # None: stories260K's own ~1 MB, slower in bfloat16
+@pytest.mark.parametrize("flags, dtype, device, hinted", [
+    ({"avx512f", "amx_bf16"}, "auto", "cpu", True), ({"avx512f"}, "auto", "cpu", False),
+    ({"amx_bf16"}, "float32", "cpu", False), ({"amx_bf16"}, "bfloat16", "cpu", False),
+    ({"amx_bf16"}, "auto", "cuda", False)])
 def test_a_cpu_with_amx_bf16_hints_at_bfloat16_for_a_large_model_when_the_dtype_was_left_to_auto(
-        monkeypatch, caplog, stories260k, flags, dtype, weight_bytes, hinted):
+        stories260k, flags, dtype, device, hinted):
     from pagedkv.common.config import ModelConfig
-    from pagedkv.worker import worker
+    from pagedkv.worker.worker import bfloat16_hint
 
-    monkeypatch.setattr(worker, "cpu_flags", lambda: flags)
-    if weight_bytes is not None:  # stories260K's weights, counted as a ~200M model's
-        monkeypatch.setattr(ModelConfig, "weight_bytes", lambda self, dtype: weight_bytes)
-    with caplog.at_level(logging.INFO, logger="pagedkv.worker"):
-        runner, _ = worker.load(LoadModel(config=EngineConfig(model=str(stories260k), device="cpu", dtype=dtype)))
-    assert runner.dtype == (torch.bfloat16 if dtype == "bfloat16" else torch.float32)
-    assert ("--dtype bfloat16 computes a model of this size several times faster" in caplog.text) == hinted
+    config = EngineConfig(model=str(stories260k), dtype=dtype)
+    large = msgspec.structs.replace(ModelConfig.load(str(stories260k)), hidden_size=1024, intermediate_size=2816,
+                                    num_hidden_layers=16)  # ~200M parameters
+    hint = bfloat16_hint(config, large, torch.device(device), flags)
+    assert (hint is not None and "--dtype bfloat16" in hint) == hinted
+    assert bfloat16_hint(config, ModelConfig.load(str(stories260k)), torch.device(device), flags) is None  # 260K
+
+
+def test_cpu_compute_threads_leave_a_core_to_the_control_plane_unless_omp_num_threads_says(monkeypatch):
+    from pagedkv.worker.worker import cpu_compute_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert cpu_compute_threads() == 15 and cpu_compute_threads(world_size=2) == 7
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert cpu_compute_threads(world_size=8) == 3  # this host's ranks, not the group's
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    assert cpu_compute_threads() == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # torch read it at import: its own count stands
+    assert cpu_compute_threads() == torch.get_num_threads()

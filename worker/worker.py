@@ -120,6 +120,29 @@ def select_dtype(config: EngineConfig, model: ModelConfig, device: torch.device)
     return torch.bfloat16 if dtype == torch.float32 else dtype
 
 
+def cpu_compute_threads(world_size: int = 1) -> int:
+    """Intra-op threads a CPU worker computes with: torch's own reading of ``$OMP_NUM_THREADS`` when it
+    is set; else this host's cores but one, left to the control plane, shared among its ranks
+    (``$LOCAL_WORLD_SIZE``, else world_size): OpenMP threads spinning against each other slowed
+    steps by 100x."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return torch.get_num_threads()
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    return max(1, ((os.cpu_count() or 2) - 1) // local_ranks)
+
+
+def bfloat16_hint(config: EngineConfig, model: ModelConfig, device: torch.device, flags: set[str]) -> str | None:
+    """The start-up line that points a CPU with AMX-BF16 (``flags``: `cpu_flags`) at ``--dtype bfloat16``,
+    or None: only where the dtype was left to auto and the model has 100M parameters or more. A ~200M
+    Llama's decode steps ran 2.6x and its prefill 4x faster in bfloat16; stories260K's ran slower,
+    its steps are not matrix work (docs/benchmarks.md, twelfth session)."""
+    if (device.type != "cpu" or config.dtype != "auto" or "amx_bf16" not in flags
+            or model.weight_bytes("float32") < 400_000_000):
+        return None
+    return ("cpu: this CPU has AMX-BF16 matrix units: --dtype bfloat16 computes a model of this size several "
+            "times faster; float32 is the CPU default (results as a float32 reference's)")
+
+
 def cpu_flags() -> set[str]:
     """This CPU's feature flags as Linux reports them (``/proc/cpuinfo``); empty elsewhere."""
     try:
@@ -166,21 +189,14 @@ def load(msg: LoadModel, rank: int = 0, world_size: int = 1, init_method: str | 
     model_config.shard(world_size)  # an indivisible model fails here, before the group forms
     device = select_device(cfg, int(os.environ.get("LOCAL_RANK", rank)))
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        # leave a core to the control plane, share the rest among this host's ranks: OpenMP threads
-        # spinning against each other slow steps by 100x
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        torch.set_num_threads(max(1, ((os.cpu_count() or 2) - 1) // local_ranks))
+        torch.set_num_threads(cpu_compute_threads(world_size))
     if device.type == "cpu":
         log.info("cpu: compute threads %d; %s", torch.get_num_threads(),
                  f"glibc malloc reuses freed blocks up to {_MMAP_THRESHOLD_MAX >> 20} MiB"
                  if reuse_freed_host_memory() else "malloc thresholds left as they are")
     dtype = select_dtype(cfg, model_config, device)
-    if (device.type == "cpu" and dtype == torch.float32 and cfg.dtype == "auto" and "amx_bf16" in cpu_flags()
-            and model_config.weight_bytes("float32") >= 400_000_000):
-        # a ~200M Llama's decode steps ran 2.6x, its prefill 4x faster in bfloat16 (docs/benchmarks.md);
-        # a tiny model's (stories260K) ran slower: its steps are not matrix work
-        log.info("cpu: this CPU has AMX-BF16 matrix units: --dtype bfloat16 computes a model of this size "
-                 "several times faster; float32 is the CPU default (results as a float32 reference's)")
+    if hint := bfloat16_hint(cfg, model_config, device, cpu_flags()):
+        log.info(hint)
     log.info("loading weights: %s on %s, %s (rank %d of %d)", model_config.path or "embedded (random)", device, dtype,
              rank, world_size)
     start = time.monotonic()

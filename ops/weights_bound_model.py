@@ -2,9 +2,9 @@
 
 16 layers, hidden 1024, intermediate 2816, 16 heads (GQA 4 KV heads), stories260K's 512-token
 tokenizer (copied from the shared test model: ``$PAGEDKV_STORIES260K``, else
-``../shared/models/stories260K`` next to the repository, as the tests find it). No weights are written unless ``--weights``: serve
-it with ``--load-format dummy``. At fp32 a decode step reads ~0.8 GB of weights, so reading weights,
-not per-request work, dominates a step, as on a GPU. ``--weights`` also writes random weights
+``../shared/models/stories260K`` next to the repository, as the tests find it). No weights are
+written unless ``--weights``: serve it with ``--load-format dummy``. At fp32 a decode step reads
+~0.8 GB of weights, so reading weights, not per-request work, dominates a step, as on a GPU. ``--weights`` also writes random weights
 (``model.safetensors``, 0.7 GB: ``--load-format dummy``'s, seed 0) for servers that cannot make
 their own, such as ``transformers serve``.
 

@@ -205,6 +205,34 @@ def test_serve_started_among_common_worker_kernels_scheduler_py_serves_the_golde
     assert code == 0
 
 
+def test_ctrl_c_in_a_terminal_stops_serve_and_its_spawned_worker_without_a_traceback():
+    """A terminal's Ctrl-C sends SIGINT to the whole foreground process group, the spawned worker
+    included: the worker ignores it (the control plane stops it), so no KeyboardInterrupt interrupts
+    the drain. serve runs in its own group here, as a shell's foreground job does."""
+    proc = subprocess.Popen([*PAGEDKV, "serve", "--port", "0", "--log-format", "json", *SMALL_POOL],
+                            stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True)
+    try:
+        events = []
+        while not events or events[-1]["event"] != "serving":
+            line = proc.stderr.readline()
+            assert line, f"serve exited with {proc.wait()} before serving"
+            if line.startswith("{"):
+                events.append(json.loads(line))
+        worker_pid = next(e["pid"] for e in events if e["event"] == "worker process started")
+        status = Path(f"/proc/{worker_pid}/status").read_text()
+        ignored = int(next(x for x in status.splitlines() if x.startswith("SigIgn:")).split()[1], 16)
+        assert ignored & (1 << (signal.SIGINT - 1))
+        os.killpg(proc.pid, signal.SIGINT)
+        rest = proc.stderr.read()
+        assert proc.wait(timeout=60) == 0
+        assert "Traceback" not in rest and "KeyboardInterrupt" not in rest
+        assert not Path(f"/proc/{worker_pid}").exists() or "zombie" in Path(f"/proc/{worker_pid}/status").read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def test_serve_embedded_default_with_an_external_worker_says_weights_are_random(tmp_path):
     address = f"ipc://{tmp_path}/w.sock"
     serve = None

@@ -1,12 +1,15 @@
 """``python -m pagedkv.worker --connect ADDR``: start one worker process (how the control plane spawns them).
 
 The worker-channel secret comes from ``--secret-file`` or ``$PAGEDKV_WORKER_SECRET`` (a spawned
-worker gets its parent's per-start secret in that variable).
+worker gets its parent's per-start secret in that variable). A spawned worker (``$PAGEDKV_PARENT_PID``
+set) ignores SIGINT: its control plane stops it. A worker started on its own stops on Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 
 from pagedkv.common.config import add_rank_arguments, check_rank_arguments
 from pagedkv.common.log import configure_logging
@@ -31,6 +34,10 @@ def main(argv: list[str] | None = None) -> None:
     if secret is None:
         parser.error(f"no worker-channel secret: give --secret-file or set {SECRET_ENV}")
     configure_logging(args.log_format, args.log_level)
+    if os.environ.get("PAGEDKV_PARENT_PID"):
+        # spawned by a control plane, which stops it (Shutdown, its socket, its exit): a terminal's
+        # Ctrl-C reaches the whole process group and interrupted the drain with a traceback
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     run(args.connect, secret, args.rank, args.world_size, args.dist_init_method)
     exit_now(0)
 

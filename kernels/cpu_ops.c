@@ -158,15 +158,10 @@ int write_kv_cache(const void *key, int64_t key_stride, const void *value, int64
         if (src_kind == dst_kind) {
             memcpy(kd, kt, (size_t)(row_size * dst));
             memcpy(vd, vt, (size_t)(row_size * dst));
-        } else if (dst_kind == BF16) {  /* float32 K/V into a bfloat16 pool */
+        } else {  /* a conversion (float32 K/V into a bfloat16 pool): off the serving path, one loop */
             for (int i = 0; i < row_size; i++) {
-                store1(BF16, kd, i, load1(F32, kt, i));
-                store1(BF16, vd, i, load1(F32, vt, i));
-            }
-        } else {
-            for (int i = 0; i < row_size; i++) {
-                store1(F32, kd, i, load1(BF16, kt, i));
-                store1(F32, vd, i, load1(BF16, vt, i));
+                store1(dst_kind, kd, i, load1(src_kind, kt, i));
+                store1(dst_kind, vd, i, load1(src_kind, vt, i));
             }
         }
     }

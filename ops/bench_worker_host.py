@@ -157,6 +157,13 @@ def main() -> None:
     args = p.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     if args.child:
+        try:  # host memory as this tree's worker sets it (before torch is imported); older trees lack it
+            from pagedkv.worker.host_memory import reuse_freed_host_memory, use_huge_pages_for_tensors
+        except ImportError:
+            pass
+        else:
+            use_huge_pages_for_tensors()
+            reuse_freed_host_memory()
         print(json.dumps([measure(n, c, args.vocab, args.steps, args.block_size, args.model, args.attention_backend)
                           for n, c in shapes]))
         return

@@ -537,6 +537,9 @@ def _cmd_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         parser.error(f"the worker-channel secret is required: --secret-file PATH or {SECRET_ENV} "
                      "(the same the control plane has)")
     configure_logging(args.log_format, args.log_level)
+    from pagedkv.worker.host_memory import use_huge_pages_for_tensors
+
+    use_huge_pages_for_tensors()  # before torch is imported
     from pagedkv.worker.worker import exit_now, run  # torch is imported here, in the worker process only
 
     run(args.connect, secret, args.rank, args.world_size, args.dist_init_method)

@@ -458,14 +458,38 @@ def test_decode_through_padded_static_buffers_equals_golden(stories260k):
     assert d.output("b") == alone.output("b")
 
 
-def test_warm_up_leaves_no_request_and_generation_unchanged(stories260k):
+@pytest.mark.parametrize("host", [True, False])
+def test_warm_up_leaves_no_request_and_generation_unchanged(stories260k, host):
+    """Both warm-ups: the CPU's (one prefill of cpu_warm_up_tokens, 2,048 here, in sequences of at most
+    max_model_len) and CUDA's (a prefill, a decode step over it, a block copy), run here on the CPU."""
     d = Driver(stories260k)
-    d.runner.warm_up()
+    forwards = []
+    real = d.runner.model.forward
+    d.runner.model.forward = lambda input_ids, *a, **k: forwards.append(input_ids.shape[0]) or real(input_ids, *a, **k)
+    assert d.runner.warm_up(host=host) == (2048 if host else 0)
+    d.runner.model.forward = real
+    assert forwards == ([2048] if host else [511, 1])
     assert d.runner.batch.num_rows == 0 and d.runner.batch.row_of == {}
     d.add("a", GOLDEN_PROMPT_IDS)
     d.step({"a": 5})
     d.decode(["a"], 19)
     assert d.output("a") == GOLDEN_OUTPUT_IDS[:20]
+
+
+def test_the_cpu_warm_up_prefill_is_bounded_by_its_flops():
+    from pagedkv.worker.model_runner import CPU_WARM_UP_FLOPS, cpu_warm_up_tokens
+
+    stories = ModelConfig.from_hf_dict(HF_STORIES, "x", None)
+    assert cpu_warm_up_tokens(stories, 2048) == 2048 and cpu_warm_up_tokens(stories, 256) == 256
+    # ops/weights_bound_model.py's ~181M-parameter Llama: 1e11 FLOPs / (2 x 180,913,152) = 276 tokens
+    llama = ModelConfig.from_hf_dict({"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 16,
+                                      "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 512,
+                                      "tie_word_embeddings": True}, "x", None)
+    assert llama.weight_bytes("float32") // 4 == 180_913_152 and CPU_WARM_UP_FLOPS == 1e11
+    assert cpu_warm_up_tokens(llama, 2048) == 276
+    big = ModelConfig.from_hf_dict(dict(EMBEDDED_LIKE, hidden_size=8192, intermediate_size=28672,
+                                        num_hidden_layers=80, vocab_size=128256), "x", None)
+    assert cpu_warm_up_tokens(big, 2048) == 1  # ~70B: a single token
 
 
 def test_penalty_statistics_follow_tokens_through_steps_and_row_moves(stories260k):

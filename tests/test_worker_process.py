@@ -19,7 +19,8 @@ from pagedkv.common.protocol import (PROTOCOL_VERSION, SECRET_ENV, CachedRequest
                                      NewRequestData, Register, Shutdown, StepPlan, StepResult, WorkerError,
                                      WorkerHello, WorkerReady, encode)
 from pagedkv.common.sampling_params import SamplingParams
-from pagedkv.worker.worker import reuse_freed_host_memory
+from pagedkv.worker import host_memory
+from pagedkv.worker.host_memory import reuse_freed_host_memory
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_MS = 60_000
@@ -70,13 +71,14 @@ def stub(tmp_path):
     s.close()
 
 
-def start(stub: Stub, config: EngineConfig) -> WorkerHello:
+def start(stub: Stub, config: EngineConfig, num_gpu_blocks: int | None = 16) -> WorkerHello:
+    """Register, load and init a 16-block cache (None: the worker's whole KV budget)."""
     reg = stub.recv()
     assert isinstance(reg, Register) and reg.protocol_version == PROTOCOL_VERSION and reg.pid == stub.proc.pid
     stub.send(LoadModel(config=config))
     hello = stub.recv()
     assert isinstance(hello, WorkerHello), hello
-    stub.send(InitCache(num_gpu_blocks=16, num_cpu_blocks=4))
+    stub.send(InitCache(num_gpu_blocks=num_gpu_blocks or hello.max_num_gpu_blocks, num_cpu_blocks=4))
     assert isinstance(stub.recv(), WorkerReady)
     return hello
 
@@ -169,7 +171,7 @@ def test_worker_without_a_secret_refuses_to_start():
 
 _FAULTS = """
 import ctypes, os, resource, sys, torch
-from pagedkv.worker.worker import release_freed_host_memory, reuse_freed_host_memory
+from pagedkv.worker.host_memory import release_freed_host_memory, reuse_freed_host_memory
 
 def faults():  # minor page faults over 10 steps' worth of prefill-sized activations (4 x 2.8 MB live at once)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -213,6 +215,63 @@ def test_the_cpu_worker_reuses_freed_activation_memory_and_gives_it_back_when_to
         [sys.executable, "-c", _FAULTS], cwd=REPO, env=dict(env, MALLOC_TRIM_THRESHOLD_="131072"),
         capture_output=True, text=True, timeout=120, check=True).stdout.split()
     assert applied == "False" and int(after) >= 10 * 4
+
+
+def _anon_huge_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
+
+
+@pytest.mark.skipif(host_memory.transparent_huge_pages() not in ("always", "madvise"),
+                    reason="the kernel offers no transparent huge pages")
+@pytest.mark.parametrize("user_setting", [None, "0"])
+def test_the_worker_puts_its_kv_pool_on_transparent_huge_pages_unless_the_user_says_0(tmp_path, stories260k,
+                                                                                          user_setting):
+    """The spawned worker sets THP_MEM_ALLOC_ENABLE=1 before torch is imported: its KV pool (ten
+    tensors of 5 MiB here) lies on 2 MiB pages. A user's 0 wins; where the kernel's mode is
+    ``madvise`` nothing is then on huge pages (under ``always`` the kernel may still use them)."""
+    stub = Stub(tmp_path, env={"THP_MEM_ALLOC_ENABLE": user_setting} if user_setting else None)
+    try:
+        start(stub, EngineConfig(model=str(stories260k), device="cpu", cpu_kv_cache_space=0.05), num_gpu_blocks=None)
+        huge = _anon_huge_kib(stub.proc.pid)
+        stub.send(Shutdown())
+        assert stub.proc.wait(timeout=30) == 0
+        log = stub.stderr()
+    finally:
+        stub.close()
+    if user_setting is None:
+        assert huge >= 2048 and "tensors of 2 MiB and up on transparent huge pages" in log
+    else:
+        assert "no transparent huge pages (THP_MEM_ALLOC_ENABLE" in log
+        if host_memory.transparent_huge_pages() == "madvise":
+            assert huge == 0
+
+
+_THP = """
+import os, sys
+from pagedkv.worker import host_memory
+if sys.argv[1] == "late":
+    import torch
+print(host_memory.use_huge_pages_for_tensors(), os.environ.get("THP_MEM_ALLOC_ENABLE"))
+"""
+
+
+@pytest.mark.parametrize("mode, env, when, expected", [
+    ("always [madvise] never", None, "early", "True 1"), ("[always] madvise never", None, "early", "True 1"),
+    ("always madvise [never]", None, "early", "False None"), (None, None, "early", "False None"),
+    ("always [madvise] never", "0", "early", "False 0"), ("always [madvise] never", None, "late", "False None")])
+def test_huge_pages_are_asked_for_only_before_torch_where_the_kernel_offers_them_and_the_user_did_not_say(
+        tmp_path, mode, env, when, expected):
+    setting = tmp_path / "enabled"
+    if mode is not None:
+        setting.write_text(mode + "\n")
+    code = f"from pagedkv.worker import host_memory\nhost_memory.THP_SETTING = {str(setting)!r}\n" + _THP
+    environ = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    if env is not None:
+        environ["THP_MEM_ALLOC_ENABLE"] = env
+    out = subprocess.run([sys.executable, "-c", code, when], cwd=REPO, env=environ, capture_output=True, text=True,
+                         timeout=60, check=True).stdout.split()
+    assert " ".join(out) == expected
 
 
 @pytest.mark.parametrize("name, value", [("MALLOC_MMAP_THRESHOLD_", "131072"), ("MALLOC_TRIM_THRESHOLD_", "0"),

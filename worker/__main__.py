@@ -3,6 +3,7 @@
 The worker-channel secret comes from ``--secret-file`` or ``$PAGEDKV_WORKER_SECRET`` (a spawned
 worker gets its parent's per-start secret in that variable). A spawned worker (``$PAGEDKV_PARENT_PID``
 set) ignores SIGINT: its control plane stops it. A worker started on its own stops on Ctrl-C.
+torch is imported only after `host_memory.use_huge_pages_for_tensors`, which must come first.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import signal
 from pagedkv.common.config import add_rank_arguments, check_rank_arguments
 from pagedkv.common.log import configure_logging
 from pagedkv.common.protocol import SECRET_ENV, load_secret
-from pagedkv.worker.worker import exit_now, run
+from pagedkv.worker.host_memory import use_huge_pages_for_tensors
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -38,6 +39,9 @@ def main(argv: list[str] | None = None) -> None:
         # spawned by a control plane, which stops it (Shutdown, its socket, its exit): a terminal's
         # Ctrl-C reaches the whole process group and interrupted the drain with a traceback
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+    use_huge_pages_for_tensors()
+    from pagedkv.worker.worker import exit_now, run  # imports torch
+
     run(args.connect, secret, args.rank, args.world_size, args.dist_init_method)
     exit_now(0)
 

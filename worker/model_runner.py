@@ -25,7 +25,17 @@ from pagedkv.worker.model_loader import load_model
 from pagedkv.worker.parallel import TensorParallel
 from pagedkv.worker.sampler import Sampler, SamplingBatch, prompt_logprobs
 
+# the CPU warm-up's bound, in FLOPs: 0.5-1 s of float32 GEMMs on one current core
+CPU_WARM_UP_FLOPS = 1e11
 _ALIGN = 16  # staged segments start at multiples of 16 elements: aligned device views, no new kernel variants
+
+
+def cpu_warm_up_tokens(model_config: ModelConfig, max_num_batched_tokens: int) -> int:
+    """Tokens of the CPU warm-up prefill (`ModelRunner.warm_up`): max_num_batched_tokens, fewer where that
+    would cost more than `CPU_WARM_UP_FLOPS` (2 FLOPs per weight per token), at least one.
+    stories260K: 2,048 (of the default 2,048); a ~200M-parameter Llama: 276 (2,048 took 5 s on one core)."""
+    flops_per_token = 2 * model_config.weight_bytes("float32") // 4
+    return max(1, min(max_num_batched_tokens, int(CPU_WARM_UP_FLOPS // flops_per_token)))
 
 
 class ModelRunner:
@@ -93,18 +103,30 @@ class ModelRunner:
                                    self.device, capture)
 
     @torch.inference_mode()
-    def warm_up(self) -> None:
-        """Run every kernel variant serving launches once, so none compiles mid-serving.
+    def warm_up(self, host: bool | None = None) -> int:
+        """Pay first-use costs at start, not in the first requests' steps (host: the CPU warm-up;
+        default: off CUDA). Returns the CPU warm-up's prefill tokens (0 for CUDA's, or none).
 
-        A prefill long enough for split-K, a decode-only step over it (partials and their reduce)
-        and a block copy, on a temporary cache; greedy, so no random draw is consumed.
+        CUDA: run every kernel variant serving launches once, so none compiles mid-serving: a prefill
+        long enough for split-K, a decode-only step over it (partials and their reduce) and a block
+        copy, on a temporary cache; greedy, so no random draw is consumed.
+        CPU: one prefill of `cpu_warm_up_tokens` tokens, greedy. glibc's heap grows to that step's activations
+        once (its page faults; `host_memory.reuse_freed_host_memory` keeps them for later steps), and
+        MKL and the C kernels set themselves up. stories260K's first served conv replay after start
+        ran at the later replays' pace instead of 10-15% below it (docs/benchmarks.md, thirteenth session).
         """
+        greedy = SamplingParams(temperature=0.0)
+        if host if host is not None else self.device.type != "cuda":
+            if self.model.kernels.__name__.endswith(".triton_kernels"):
+                return 0  # Triton on a CPU runs interpreted (tests, debugging): 2,048 tokens took 40 s there
+            tokens = cpu_warm_up_tokens(self.model_config, self.engine_config.max_num_batched_tokens)
+            self._dummy_prefill(tokens, greedy)
+            return tokens
         n = max(1, min(self.max_model_len - 1, 4096))
         nb = -(-(n + 1) // self.block_size)
         cache = CacheEngine(self.model_config, nb + 1, 0, self.block_size, self.kv_dtype, self.device,
                             self.model.kernels)
         scales = self.model.kv_scales  # warm-up's dummy tokens must not calibrate the fp8 scales
-        greedy = SamplingParams(temperature=0.0)
         try:
             self._execute(StepPlan(-2, new_requests=[NewRequestData("warm-up", [0] * n, n, list(range(nb)), 0, n,
                                                                     greedy)]), cache)
@@ -113,6 +135,29 @@ class ModelRunner:
         finally:
             self.batch.remove("warm-up")
             self.model.kv_scales = scales
+        return 0
+
+    def _dummy_prefill(self, total: int, params: SamplingParams) -> int:
+        """One step of ``total`` new tokens (id 0) in sequences of at most max_model_len, sampled with
+        ``params``, on a temporary KV cache freed on return; no request is left behind, the fp8 scales
+        are not calibrated by it. Returns the temporary cache's size in bytes."""
+        max_len = self.max_model_len
+        lens = [min(max_len, total - start) for start in range(0, total, max_len)]
+        nblocks = [-(-n // self.block_size) for n in lens]
+        cache = CacheEngine(self.model_config, sum(nblocks), 0, self.block_size, self.kv_dtype, self.device,
+                            self.model.kernels)
+        scales = self.model.kv_scales
+        news, first = [], 0
+        for i, (n, b) in enumerate(zip(lens, nblocks)):
+            news.append(NewRequestData(f"profile-{i}", [0] * n, n, list(range(first, first + b)), 0, n, params))
+            first += b
+        try:
+            self._execute(StepPlan(step_id=-1, new_requests=news), cache)
+        finally:
+            for new in news:
+                self.batch.remove(new.request_id)
+            self.model.kv_scales = scales
+        return sum(nblocks) * self.kv_bytes_per_block
 
     @torch.inference_mode()
     def profile_run(self) -> int:
@@ -124,23 +169,8 @@ class ModelRunner:
         bytes, so the caller can subtract it from the peak.
         """
         cfg = self.engine_config
-        total, max_len = cfg.max_num_batched_tokens, self.max_model_len
-        lens = [min(max_len, total - start) for start in range(0, total, max_len)]
-        nblocks = [-(-n // self.block_size) for n in lens]
-        cache = CacheEngine(self.model_config, sum(nblocks), 0, self.block_size, self.kv_dtype, self.device,
-                            self.model.kernels)
-        scales = self.model.kv_scales  # the profile's dummy tokens must not calibrate the fp8 scales
-        params = SamplingParams(top_p=0.9, top_k=50, logprobs=cfg.max_logprobs)
-        news, first = [], 0
-        for i, (n, b) in enumerate(zip(lens, nblocks)):
-            news.append(NewRequestData(f"profile-{i}", [0] * n, n, list(range(first, first + b)), 0, n, params))
-            first += b
-        try:
-            self._execute(StepPlan(step_id=-1, new_requests=news), cache)
-        finally:
-            for new in news:
-                self.batch.remove(new.request_id)
-            self.model.kv_scales = scales
+        cache_bytes = self._dummy_prefill(cfg.max_num_batched_tokens,
+                                          SamplingParams(top_p=0.9, top_k=50, logprobs=cfg.max_logprobs))
         rows, vocab = cfg.max_num_seqs, self.model_config.vocab_size
         mixed = [SamplingParams(top_p=0.9, top_k=50, min_p=0.05, repetition_penalty=1.1, presence_penalty=0.5,
                                 frequency_penalty=0.5, logprobs=cfg.max_logprobs, seed=i if i % 2 else None)
@@ -148,7 +178,7 @@ class ModelRunner:
         logits = torch.zeros(rows, vocab, dtype=torch.float32, device=self.device)
         self.sampler.sample(logits, SamplingBatch.from_params(mixed, [[0]] * rows, [[0]] * rows, vocab, self.device))
         self.sampler = Sampler(cfg.seed, self.device, self.model_config.eos_token_ids)  # unseeded draws start afresh
-        return sum(nblocks) * self.kv_bytes_per_block
+        return cache_bytes
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:

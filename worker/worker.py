@@ -13,8 +13,6 @@ or at once when gloo sees the connection drop).
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import gc
 import logging
 import os
@@ -33,68 +31,14 @@ from pagedkv.common.protocol import (PROTOCOL_VERSION, Channel, InitCache, LoadM
                                      WorkerReady)
 from pagedkv.kernels import cpu_kernels
 from pagedkv.worker.cache_engine import measure_swap_bandwidth
+from pagedkv.worker.host_memory import (MMAP_THRESHOLD_MAX, huge_pages_for_tensors, release_freed_host_memory,
+                                         reuse_freed_host_memory)
 from pagedkv.worker.model_loader import torch_dtype
 from pagedkv.worker.model_runner import ModelRunner
 from pagedkv.worker.parallel import destroy_group, init_group
 
 log = logging.getLogger("pagedkv.worker")
 POLL_MS = 1000  # how often to check that the control plane is still there
-# glibc's mallopt parameters (malloc.h), and DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: where glibc's own
-# dynamic mmap threshold stops rising (older glibc also refuses a larger one)
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX = -1, -3, 32 << 20
-
-
-@functools.cache
-def _glibc() -> ctypes.CDLL | None:
-    """This process's C library if it is glibc (mallopt and malloc_trim are glibc's), else None."""
-    try:
-        libc = ctypes.CDLL(None)
-    except (OSError, TypeError):  # TypeError: Windows names no library for the process itself
-        return None
-    return libc if hasattr(libc, "gnu_get_libc_version") else None  # musl, macOS: other allocators
-
-
-def reuse_freed_host_memory() -> bool:
-    """Have glibc's malloc keep a CPU forward's freed activations for the next step instead of
-    returning them to the kernel.
-
-    By default glibc serves blocks of 128 KiB and up with mmap and trims its heap once that much is
-    free at its top; it raises both thresholds when it frees an mmapped block of up to 32 MiB, so
-    how often depends on the run. Memory handed back comes back as fresh pages: a 2,048-token
-    prefill of stories260K (``[2048, 344]`` float32 per layer's gate/up output, 2.8 MB) took up to
-    1,600 minor page faults and a quarter of its time with them (one thread: 35-39 ms a step, 25-29
-    without). This sets the mmap threshold to 32 MiB, the most glibc's dynamic rule reaches, and
-    the trim threshold to twice that (the rule's ratio). Blocks up to 32 MiB then come from the heap
-    and are reused; larger ones are still mapped and faulted afresh each step. The heap keeps its
-    high-water mark: freed blocks below its top stay resident, so RSS does not fall after a large
-    step until `release_freed_host_memory` (the worker calls it when idle).
-
-    Returns True when glibc accepted both settings (also under an LD_PRELOADed jemalloc or
-    tcmalloc, which they then do not govern); False when libc is not glibc, or when
-    ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_`` or a ``GLIBC_TUNABLES`` naming either
-    threshold is set: then nothing is changed and glibc keeps the user's settings (and, for the
-    threshold not named, its static default).
-    """
-    tunables = os.environ.get("GLIBC_TUNABLES", "")
-    if ("MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ
-            or "mmap_threshold" in tunables or "trim_threshold" in tunables):
-        return False
-    libc = _glibc()
-    return libc is not None and bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
-                                     and libc.mallopt(_M_TRIM_THRESHOLD, 2 * _MMAP_THRESHOLD_MAX))
-
-
-def release_freed_host_memory() -> None:
-    """Give the heap's free pages back to the kernel (glibc's ``malloc_trim(0)``; nothing elsewhere).
-
-    A CPU worker calls it after `POLL_MS` without a plan, so its RSS falls back once load goes away;
-    the next step then takes its activations' pages afresh once.
-    """
-    libc = _glibc()
-    if libc is not None:
-        libc.malloc_trim(0)
-
-
 def select_device(config: EngineConfig, rank: int) -> torch.device:
     """``auto``: CUDA (GPU ``rank``) when available, else CPU. Raises ValueError for cuda without a GPU."""
     kind = config.device
@@ -191,9 +135,11 @@ def load(msg: LoadModel, rank: int = 0, world_size: int = 1, init_method: str | 
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(cpu_compute_threads(world_size))
     if device.type == "cpu":
-        log.info("cpu: compute threads %d; %s", torch.get_num_threads(),
-                 f"glibc malloc reuses freed blocks up to {_MMAP_THRESHOLD_MAX >> 20} MiB"
-                 if reuse_freed_host_memory() else "malloc thresholds left as they are")
+        log.info("cpu: compute threads %d; %s; %s", torch.get_num_threads(),
+                 f"glibc malloc reuses freed blocks up to {MMAP_THRESHOLD_MAX >> 20} MiB"
+                 if reuse_freed_host_memory() else "malloc thresholds left as they are",
+                 "tensors of 2 MiB and up on transparent huge pages" if huge_pages_for_tensors()
+                 else "no transparent huge pages (THP_MEM_ALLOC_ENABLE, /sys/kernel/mm/transparent_hugepage/enabled)")
     dtype = select_dtype(cfg, model_config, device)
     if hint := bfloat16_hint(cfg, model_config, device, cpu_flags()):
         log.info(hint)
@@ -219,8 +165,9 @@ def load(msg: LoadModel, rank: int = 0, world_size: int = 1, init_method: str | 
                         "KV cache", str(runner.kv_dtype).removeprefix("torch."))
     else:
         log.info("attention: %s backend", kernels.__name__.rsplit(".", 1)[-1].removesuffix("_kernels"))
-    if device.type == "cuda":
-        runner.warm_up()  # compile the Triton kernels now, not at the first request that needs one
+    start = time.monotonic()
+    tokens = runner.warm_up()  # CUDA: compile the Triton kernels now; CPU: grow the heap to a prefill's activations
+    log.info("warmed up in %.2f s%s", time.monotonic() - start, f" (a {tokens}-token prefill)" if tokens else "")
     hello = WorkerHello(rank=rank, device=str(device), dtype=str(dtype).removeprefix("torch."),
                         kv_bytes_per_block=runner.kv_bytes_per_block, max_num_gpu_blocks=num_blocks,
                         kv_cache_dtype=runner.kv_cache_dtype,

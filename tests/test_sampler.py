@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from pagedkv.common.sampling_params import SamplingParams
-from pagedkv.worker.sampler import (Sampler, SamplingBatch, apply_penalties, argmax, seeded_exponential,
-                                    truncated_probs)
+from pagedkv.worker.sampler import (CANDIDATES, Sampler, SamplingBatch, apply_penalties, argmax, seeded_exponential,
+                                    truncated_candidates, truncated_probs)
 
 CPU = torch.device("cpu")
 LOGITS = torch.tensor([[1.0, 3.0, -2.0, 2.5, 0.0, -1.0]])
@@ -160,3 +160,80 @@ def test_seeded_noise_is_a_pure_function_of_seed_index_and_token():
     assert not torch.equal(seeded_exponential(torch.tensor([2**32]), torch.tensor([0]), 300)[0], noise[0])
     many = seeded_exponential(torch.arange(64), torch.zeros(64, dtype=torch.int64), 1000)
     assert abs(many.mean().item() - 1.0) < 0.02 and abs(many.var().item() - 1.0) < 0.05  # Exp(1)
+
+
+# ---- drawing among the CANDIDATES most likely tokens (vocabularies of 2 x CANDIDATES and more) ----
+
+def _peaked(rows, vocab, scale, seed=0):
+    """Logits like a trained model's: a few tokens hold most of the mass (scale ~4), or flat (scale < 1)."""
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+KNOBS = [SamplingParams(top_k=5, seed=1), SamplingParams(top_k=50, temperature=0.7, seed=2),
+         SamplingParams(top_k=CANDIDATES, seed=3), SamplingParams(top_p=0.9, seed=4),
+         SamplingParams(top_p=0.5, temperature=1.3, seed=5), SamplingParams(top_k=40, top_p=0.8, seed=6),
+         SamplingParams(min_p=0.05, seed=7), SamplingParams(top_k=2000, min_p=0.1, seed=8),
+         SamplingParams(temperature=0.0, seed=9), SamplingParams(top_p=0.95, min_p=0.02, temperature=0.8, seed=10)]
+
+
+def test_candidates_hold_the_same_truncated_distribution_as_the_whole_vocabulary():
+    logits = _peaked(len(KNOBS) * 6, 4 * CANDIDATES, 4.0)
+    params = KNOBS * 6
+    b = batch(logits, params)
+    assert b.all_truncated
+    probs, ids = truncated_candidates(logits, b)
+    assert probs.shape == ids.shape == (len(params), CANDIDATES)
+    full = torch.zeros_like(logits).scatter_(1, ids, probs)
+    want = truncated_probs(logits, b)
+    drawing = [i for i, p in enumerate(params) if not p.greedy]
+    assert torch.equal(full[drawing] > 0, want[drawing] > 0)  # the same kept tokens, row by row
+    # the same probabilities up to each row's normalisation (min_p's zeros are not renormalised, and
+    # the draw, argmax p / E, does not depend on a row's scale)
+    norm = lambda p: p / p.sum(dim=-1, keepdim=True)  # noqa: E731
+    assert torch.allclose(norm(full[drawing]), norm(want[drawing]), rtol=1e-5, atol=1e-7)
+
+
+def test_seeded_rows_draw_the_same_tokens_among_candidates_as_from_the_whole_vocabulary(monkeypatch):
+    import msgspec
+
+    import pagedkv.worker.sampler as sampler_module
+
+    logits = _peaked(len(KNOBS) * 20, 3 * CANDIDATES, 4.0, seed=1)
+    params = [msgspec.structs.replace(p, seed=i) for i, p in enumerate(KNOBS * 20)]
+    b, whole = batch(logits, params), batch(logits, params)
+    whole.all_truncated = False  # forces the whole-vocabulary path
+    calls = []
+    real = sampler_module.truncated_candidates
+    monkeypatch.setattr(sampler_module, "truncated_candidates", lambda x, bb: calls.append(1) or real(x, bb))
+    for index in range(3):
+        b.output_index = whole.output_index = torch.full((len(params),), index)
+        got = Sampler(0, CPU).sample_tensor(logits, b)
+        assert torch.equal(got, Sampler(0, CPU).sample_tensor(logits, whole))
+        assert len(set(got.tolist())) > 20  # real draws, not all argmaxes
+    assert len(calls) == 3
+
+
+def test_seeded_noise_at_token_ids_equals_the_whole_vocabularys_at_those_ids():
+    seeds, index = torch.tensor([0, 7, 2**40 + 3]), torch.tensor([0, 5, 11])
+    full = seeded_exponential(seeds, index, 5000)
+    ids = torch.randint(0, 5000, (3, 64), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(seeded_exponential(seeds, index, ids), full.gather(1, ids))
+
+
+@pytest.mark.parametrize("params, scale, fits", [
+    (SamplingParams(top_p=0.95), 0.1, False),  # flat: 0.95 of the mass needs far more than CANDIDATES tokens
+    (SamplingParams(top_p=0.95), 4.0, True),
+    (SamplingParams(top_k=CANDIDATES + 1, top_p=0.5), 4.0, False),  # top_p over a top_k wider than the candidates
+    (SamplingParams(min_p=0.5), 0.1, False), (SamplingParams(min_p=0.5), 4.0, True),
+    (SamplingParams(temperature=0.0), 0.1, True)])
+def test_candidates_are_used_only_where_every_kept_token_is_provably_among_them(params, scale, fits):
+    logits = _peaked(3, 4 * CANDIDATES, scale, seed=2)
+    b = batch(logits, [params] * 3)
+    assert b.all_truncated
+    assert (truncated_candidates(logits, b) is not None) == fits
+
+
+def test_rows_without_truncation_never_take_the_candidates():
+    for p in [SamplingParams(), SamplingParams(top_k=CANDIDATES + 1), SamplingParams(temperature=0.5)]:
+        assert not batch(LOGITS, [SamplingParams(top_k=5), p]).all_truncated
+    assert batch(LOGITS, [SamplingParams(top_k=5), SamplingParams(temperature=0.0)]).all_truncated

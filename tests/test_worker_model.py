@@ -518,6 +518,23 @@ def test_penalty_statistics_follow_tokens_through_steps_and_row_moves(stories260
     assert got.repetition_penalty.tolist() == pytest.approx([1.3, 1.0])
 
 
+def test_the_persistent_batch_says_when_every_drawing_row_truncates_as_from_params_does():
+    """`SamplingBatch.all_truncated` (the sampler may then draw among the CANDIDATES most likely tokens)
+    from the worker's rows equals the one built from the same knobs."""
+    from pagedkv.worker.input_batch import InputBatch
+    from pagedkv.worker.sampler import CANDIDATES, SamplingBatch
+
+    knobs = [SamplingParams(top_k=5), SamplingParams(top_p=0.9), SamplingParams(min_p=0.1), GREEDY,
+             SamplingParams(top_k=CANDIDATES), SamplingParams(top_k=CANDIDATES + 1), SamplingParams(temperature=0.8)]
+    ib = InputBatch(8, 64, 16, 512, CPU)
+    for i, p in enumerate(knobs):
+        ib.add(NewRequestData(f"r{i}", [1, 2], 2, [i], 0, 2, p))
+    for rows in ([0, 1, 2, 3, 4], [0, 5], [3, 6], [1, 2]):  # (all greedy: no draw, no flag)
+        want = SamplingBatch.from_params([knobs[r] for r in rows], [[1, 2]] * len(rows), [[]] * len(rows), 512, CPU)
+        got = ib.sampling_batch(torch.tensor([ib.row_of[f"r{r}"] for r in rows]).numpy())
+        assert got.all_truncated == want.all_truncated == (rows in ([0, 1, 2, 3, 4], [1, 2])), rows
+
+
 def _hf_checkpoint(path, max_shard_size=None, **config):
     """A tiny random Llama saved by transformers into ``path`` (its own layout); returns the model, the oracle."""
     import transformers

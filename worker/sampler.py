@@ -18,6 +18,13 @@ id): a counter-based hash (`seeded_exponential`) turned into ``E = -log(U)`` wit
 token does not depend on the batch, the step or a preemption, and no generator object exists per
 row. Unseeded rows draw from the sampler's own generator (EngineConfig.seed).
 
+When every row that draws truncates (a top_k up to `CANDIDATES`, a top_p or a min_p) and the
+vocabulary is large, truncation and the draw run among each row's `CANDIDATES` most likely tokens
+(`truncated_candidates`) wherever its kept tokens provably lie there: one partial selection instead
+of a sort, noise for 1,024 tokens instead of the vocabulary (12-22x faster at 256 rows of 128K on a
+CPU, `ops/bench_sampler.py`). Seeded rows draw the same tokens either way; unseeded rows draw fewer
+numbers from the generator, so their stream differs from the whole-vocabulary path's.
+
 Logprobs follow vLLM's default (``logprobs_mode="raw_logprobs"``): log-softmax of the model's raw
 logits, before penalties, temperature and truncation, so they describe the model's distribution.
 """
@@ -31,6 +38,9 @@ import torch
 from pagedkv.common.sampling_params import MIN_TEMPERATURE, SamplingParams
 
 _M32 = 0xFFFFFFFF
+# the most likely tokens `truncated_candidates` draws among: top-k, top-p and min-p keep far fewer
+# on trained models, and a vocabulary of 2 x CANDIDATES or more is worth the detour
+CANDIDATES = 1024
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -46,8 +56,10 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def seeded_exponential(seeds: torch.Tensor, output_index: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Exp(1) noise ``[rows, vocab_size]`` float32, a pure function of (seed, output index, token id).
+def seeded_exponential(seeds: torch.Tensor, output_index: torch.Tensor, vocab: int | torch.Tensor) -> torch.Tensor:
+    """Exp(1) noise float32, a pure function of (seed, output index, token id): ``[rows, vocab]`` for
+    every token id below ``vocab`` (an int), or ``[rows, k]`` at the token ids of an int64 ``[rows, k]``
+    tensor (the same values those ids get in the full form).
 
     seeds: ``[rows]`` int64 in [0, 2**63); output_index: ``[rows]`` int64 (the output token being drawn).
     Each row's key hashes both 32-bit halves of the seed and the index; each token's uniform is the
@@ -55,8 +67,9 @@ def seeded_exponential(seeds: torch.Tensor, output_index: torch.Tensor, vocab_si
     """
     lo, hi = seeds & _M32, (seeds >> 32) & _M32
     key = _mix32(_mix32(lo ^ _mix32(hi ^ 0x5BD1E995)) ^ (output_index & _M32))
-    tokens = (torch.arange(vocab_size, device=seeds.device, dtype=torch.int64) * 0x9E3779B1) & _M32
-    h = _mix32(_mix32(key[:, None] ^ tokens[None, :]) ^ key[:, None])
+    ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)[None, :] if isinstance(vocab, int) else vocab
+    tokens = (ids * 0x9E3779B1) & _M32
+    h = _mix32(_mix32(key[:, None] ^ tokens) ^ key[:, None])
     u = (h.double() + 0.5) * 2.0**-32  # in (0, 1)
     return (-torch.log(u)).float()
 
@@ -71,7 +84,9 @@ class SamplingBatch:
     output_counts ``[rows, vocab]`` int32 (occurrences in the output), both None when no row has a
     penalty. num_logprobs: per row, None or how many alternatives (host list). The host flags
     (all_greedy, any_seeded, any_unseeded, any_top_k_top_p, any_min_p) let whole stages be
-    skipped without a device sync; a flag left True only costs time. bias and banned: the sparse
+    skipped without a device sync; a flag left True only costs time. all_truncated: every row that
+    draws has a top_k of 1 to `CANDIDATES`, a top_p below 1 or a min_p (`Sampler` may then draw among
+    the most likely tokens only); False only costs time. bias and banned: the sparse
     logit edits of `bias_and_bans` (``logit_bias``; stop tokens before ``min_tokens``), or None.
     `greedy` builds a batch whose knob tensors are all None, for rows that only take the argmax.
     """
@@ -94,13 +109,14 @@ class SamplingBatch:
     any_unseeded: bool
     any_top_k_top_p: bool = True
     any_min_p: bool = True
+    all_truncated: bool = False
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def greedy(cls, num_logprobs: list[int | None], bias=None, banned=None) -> "SamplingBatch":
         """Rows that all take the argmax with no penalty: no knob tensor is needed (they are None)."""
-        return cls(*[None] * 12, num_logprobs, True, False, False, False, False, bias, banned)
+        return cls(*[None] * 12, num_logprobs, True, False, False, False, False, False, bias, banned)
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], prompt_ids: list[list[int]], output_ids: list[list[int]],
@@ -132,6 +148,7 @@ class SamplingBatch:
                    all(p.greedy for p in params), any(not p.greedy and p.seed is not None for p in params),
                    any(not p.greedy and p.seed is None for p in params),
                    any(p.top_k > 0 or p.top_p < 1 for p in params), any(p.min_p > 0 for p in params),
+                   all(p.greedy or 0 < p.top_k <= CANDIDATES or p.top_p < 1 or p.min_p > 0 for p in params),
                    *bias_and_bans(list(range(rows)), params, [len(o) for o in output_ids], list(eos_token_ids), device))
 
 
@@ -178,14 +195,17 @@ class Sampler:
         tokens = argmax(x)
         if batch.all_greedy:
             return tokens
-        probs = truncated_probs(x, batch)
+        kept = truncated_candidates(x, batch) if batch.all_truncated and x.shape[1] >= 2 * CANDIDATES else None
+        probs, ids = kept if kept is not None else (truncated_probs(x, batch), None)
         noise = torch.empty_like(probs)
         if batch.any_unseeded:
             noise.exponential_(generator=self.generator)
         if batch.any_seeded:
-            seeded = seeded_exponential(batch.seeds, batch.output_index, probs.shape[1])
+            seeded = seeded_exponential(batch.seeds, batch.output_index, probs.shape[1] if ids is None else ids)
             noise = torch.where(batch.seeded[:, None], seeded, noise)
         drawn = argmax(probs / noise.clamp_min_(1e-20))
+        if ids is not None:
+            drawn = ids.gather(1, drawn[:, None]).squeeze(1)
         return torch.where(batch.temperature < MIN_TEMPERATURE, tokens, drawn)  # below it: greedy
 
     @staticmethod
@@ -299,3 +319,46 @@ def truncated_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.any_min_p:
         probs = probs.masked_fill(probs < batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
     return probs
+
+
+def truncated_candidates(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`truncated_probs` among the `CANDIDATES` most likely tokens of each row, when every row's kept
+    tokens provably lie among them; else None (the caller takes the whole vocabulary).
+
+    Returns probs ``[rows, CANDIDATES]`` float32 and their token ids ``[rows, CANDIDATES]`` int64,
+    most likely first. A row's kept set lies among the candidates when its top_k is 1 to
+    CANDIDATES, when its candidates already hold its top_p of the probability (under top_k <= 0:
+    the whole vocabulary's, a full log-sum-exp), or when min_p already drops the last candidate;
+    greedy rows always qualify (their argmax is taken elsewhere). Margins (1e-6 of probability,
+    1e-3 of log-probability) keep float rounding from deciding that. The kept tokens are then
+    `truncated_probs`' and so are their probabilities, up to float rounding and each row's scale
+    (normalised over the candidates; the draw, argmax p / E, does not depend on it), and a seeded
+    row's noise at a token is the same (`seeded_exponential` at its id): it draws the same token
+    unless two values meet within float rounding.
+
+    Why: the full path sorts each row's vocabulary and draws noise for every token. At 256 rows of
+    a 128K vocabulary that took 7-9 s a step on one CPU thread, 3.9 s of it hashing seeded noise;
+    here a partial selection (topk) and a log-sum-exp read the vocabulary once.
+    """
+    temperature = torch.where(batch.temperature >= MIN_TEMPERATURE, batch.temperature, 1.0)
+    logits = logits / temperature[:, None]
+    vals, ids = logits.topk(CANDIDATES, dim=-1)  # descending
+    rank = torch.arange(CANDIDATES, device=logits.device)[None, :]
+    by_k = (batch.top_k > 0) & (batch.top_k <= CANDIDATES)
+    vals.masked_fill_(by_k[:, None] & (rank >= batch.top_k[:, None]), float("-inf"))
+    # the distribution top_p measures: the top_k tokens' (all among the candidates), else the vocabulary's
+    norm = torch.where(by_k, vals.logsumexp(dim=-1), logits.logsumexp(dim=-1))
+    probs = (vals - norm[:, None]).exp()
+    mass = probs.cumsum(dim=-1)
+    beyond = (mass - probs) >= batch.top_p[:, None]  # the more likely ones already reach top_p
+    vals.masked_fill_(beyond & (batch.top_p < 1)[:, None], float("-inf"))
+    by_p = (batch.top_p < 1) & (batch.top_k <= 0) & (mass[:, -1] >= batch.top_p + 1e-6)
+    by_min_p = (batch.min_p > 0) & (vals[:, -1] - vals[:, 0] < torch.log(batch.min_p) - 1e-3)
+    # (a top_p over a top_k wider than the candidates is measured on a distribution not at hand)
+    within = by_k | by_p | (by_min_p & ((batch.top_p >= 1) | (batch.top_k <= CANDIDATES)))
+    if not bool((within | (batch.temperature < MIN_TEMPERATURE)).all()):
+        return None
+    probs = vals.softmax(dim=-1)
+    if batch.any_min_p:
+        probs = probs.masked_fill(probs < batch.min_p[:, None] * probs[:, :1], 0.0)
+    return probs, ids

@@ -300,12 +300,18 @@ def _run(coro) -> int:
 
 # ---- serve ----------------------------------------------------------------------------------
 
+# Connections the kernel completes while the server is busy (a step, a burst of requests). asyncio's
+# create_server listens again with its own default, 128, unless told: a burst of 200 clients then
+# overflowed the queue, and the dropped handshakes came back after TCP's 1 s retransmission timeout.
+LISTEN_BACKLOG = 1024
+
+
 def _listen(host: str, port: int) -> socket.socket:
     """A listening TCP socket on host:port, bound before anything else starts, so a port in use is
     found in milliseconds, not after the model loads. Raises OSError naming the address."""
     try:
         family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-        return socket.create_server(addr[:2], family=family, backlog=1024)
+        return socket.create_server(addr[:2], family=family, backlog=LISTEN_BACKLOG)
     except OSError as e:
         why = os.strerror(e.errno) if e.errno and e.errno > 0 else (e.strerror or str(e))  # not bind's decoration
         raise OSError(f"--host {host} --port {port}: cannot listen: {why}") from None
@@ -339,7 +345,7 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, sock: socket.so
     watch = None
     try:
         await runner.setup()
-        site = web.SockSite(runner, sock)
+        site = web.SockSite(runner, sock, backlog=LISTEN_BACKLOG)
         await site.start()
         port = sock.getsockname()[1]  # the real port when --port 0 asked for any free one
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -6,12 +6,15 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import select
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+from urllib.parse import urlparse
 
 import pytest
 from conftest import GOLDEN_COMPLETION, GOLDEN_PROMPT
@@ -189,6 +192,35 @@ def test_serve_real_model_then_sigterm_shuts_down_cleanly(stories260k):
     assert code == 0
     assert "shutting down" in [e["event"] for e in events]
     assert events[-1]["event"] == "stopped"  # a log alone says the server finished cleanly
+
+
+def test_serve_queues_a_burst_of_300_connections_while_it_is_busy(stories260k):
+    """aiohttp's site listened again with asyncio's default backlog of 128: a burst of 200 clients
+    (`pagedkv bench --request-rate inf`) overflowed the accept queue while a step ran, and the dropped
+    handshakes came back after TCP's 1 s retransmission timeout (1 replay in 3 to 5 took 1.2-1.35 s
+    instead of 0.47). With the server stopped (SIGSTOP), the kernel completes as many handshakes as
+    the backlog holds: 129 before, all 300 now."""
+    server = Server("--model", str(stories260k), *SMALL_POOL)
+    address = urlparse(server.url)
+    socks: list[socket.socket] = []
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    try:
+        for _ in range(300):
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex((address.hostname, address.port))
+            socks.append(s)
+        deadline, connected = time.monotonic() + 0.8, set()
+        while time.monotonic() < deadline and len(connected) < len(socks):  # under TCP's first 1 s retransmission
+            _, writable, _ = select.select([], [s for s in socks if s not in connected], [], 0.1)
+            connected |= {s for s in writable if s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0}
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+        for s in socks:
+            s.close()
+        code, _ = server.stop(signal.SIGTERM)
+    assert code == 0
+    assert len(connected) == 300
 
 
 def test_serve_started_among_common_worker_kernels_scheduler_py_serves_the_golden(stories260k, tmp_path):

@@ -38,7 +38,7 @@ def use_huge_pages_for_tensors() -> bool:
 
     Why: one TLB entry then covers 512 times the memory, and a page fault brings 2 MiB. A weights-bound
     ~200M Llama decoded 5-7% faster per step (64 x 100, float32 and bfloat16, one thread); stories260K's
-    served conv replay ran 3-5% faster, and its first replay after start 10-19% (docs/benchmarks.md,
+    served conv replay ran 3-5% faster, and its first replay after start 15-19% (docs/benchmarks.md,
     thirteenth session). Most kernels leave THP to ``madvise`` (Ubuntu, Debian), where a process must
     ask: this sets ``THP_MEM_ALLOC_ENABLE=1``, PyTorch's switch for that.
 

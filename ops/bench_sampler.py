@@ -4,9 +4,11 @@ For each (rows x vocabulary) shape and knob mix it times `Sampler.sample` on one
 once with the batch as the worker builds it (candidates where every row truncates) and once with
 ``all_truncated`` cleared (the whole-vocabulary path: a sort and noise for every token), alternating
 ``--repeats`` times, and prints the median CPU ms per call of the calling thread and the median ratio.
-The logits are Gaussian times 4 (a few tokens hold most of the mass, as on a trained model; at
-temperature 1, top_p 0.9 keeps a few dozen). Both paths also give their tokens: the seeded rows
-must agree, and the script says if they do not.
+The logits are Gaussian times 4 rounded to bfloat16 (a few tokens hold most of the mass, as on a
+trained model, and ties are common, as in a bfloat16 model's logits; at temperature 1, top_p 0.9
+keeps a few dozen). Both paths also give their tokens: the seeded rows must agree, and the script
+says if they do not. The fallback mix shows what a batch pays when one row does not truncate: the
+candidates' check, then the whole vocabulary.
 
     python ops/bench_sampler.py [--shapes 32x32000,256x32000,32x128256,256x128256] [--repeats 3] [--threads 1]
 """
@@ -27,6 +29,8 @@ MIXES = {
     "top_p 0.9, temperature 0.7": lambda i: SamplingParams(temperature=0.7, top_p=0.9),
     "top_k 50 + top_p 0.9, half seeded": lambda i: SamplingParams(top_k=50, top_p=0.9, seed=i if i % 2 else None),
     "top_p 0.95 + min_p 0.05, all seeded": lambda i: SamplingParams(top_p=0.95, min_p=0.05, seed=i),
+    "top_p 0.9, one row without (whole vocabulary)": lambda i: SamplingParams(
+        temperature=0.7, top_p=0.9 if i else 1.0),
     "temperature 1 only (whole vocabulary on both)": lambda i: SamplingParams(temperature=1.0),
 }
 
@@ -49,7 +53,7 @@ def main() -> None:
     print(f"{'rows x vocab':>14}  {'knobs':<46} {'candidates':>11} {'whole':>9} {'whole/cand':>10}  seeded equal")
     for shape in args.shapes.split(","):
         rows, vocab = (int(x) for x in shape.split("x"))
-        logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 4
+        logits = (torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 4).bfloat16().float()
         for name, make in MIXES.items():
             params = [make(i) for i in range(rows)]
             batch = SamplingBatch.from_params(params, [[0]] * rows, [[0]] * rows, vocab, torch.device("cpu"))

@@ -35,9 +35,12 @@ import bench_worker_host  # noqa: E402  (its decode-step driver)
 def _runner(model: str, backend: str | None, num_blocks: int, max_num_seqs: int, dtype: str = "float32"):
     try:  # host memory as the worker process sets it: huge pages before torch is imported
         from pagedkv.worker.host_memory import reuse_freed_host_memory, use_huge_pages_for_tensors
-    except ImportError:  # trees before the host_memory module
-        reuse_freed_host_memory = use_huge_pages_for_tensors = lambda: None
-    use_huge_pages_for_tensors()
+        use_huge_pages_for_tensors()
+    except ImportError:  # trees before the host_memory module (7e71564 to 50f2756 set malloc only)
+        try:
+            from pagedkv.worker.worker import reuse_freed_host_memory
+        except ImportError:  # trees before 7e71564 left glibc's defaults
+            reuse_freed_host_memory = lambda: None  # noqa: E731
     import torch
 
     from pagedkv.common.config import EngineConfig, ModelConfig

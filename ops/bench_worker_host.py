@@ -157,13 +157,16 @@ def main() -> None:
     args = p.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     if args.child:
-        try:  # host memory as this tree's worker sets it (before torch is imported); older trees lack it
+        try:  # host memory as each tree's worker sets it (huge pages before torch is imported)
             from pagedkv.worker.host_memory import reuse_freed_host_memory, use_huge_pages_for_tensors
-        except ImportError:
-            pass
-        else:
             use_huge_pages_for_tensors()
             reuse_freed_host_memory()
+        except ImportError:  # trees before the host_memory module: 7e71564 to 50f2756 set malloc only
+            try:
+                from pagedkv.worker.worker import reuse_freed_host_memory
+                reuse_freed_host_memory()
+            except ImportError:  # trees before 7e71564 left glibc's defaults
+                pass
         print(json.dumps([measure(n, c, args.vocab, args.steps, args.block_size, args.model, args.attention_backend)
                           for n, c in shapes]))
         return

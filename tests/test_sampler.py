@@ -7,7 +7,7 @@ import torch
 
 from pagedkv.common.sampling_params import SamplingParams
 from pagedkv.worker.sampler import (CANDIDATES, Sampler, SamplingBatch, apply_penalties, argmax, seeded_exponential,
-                                    truncated_candidates, truncated_probs)
+                                    truncated_candidates, truncated_probs, truncated_weights)
 
 CPU = torch.device("cpu")
 LOGITS = torch.tensor([[1.0, 3.0, -2.0, 2.5, 0.0, -1.0]])
@@ -74,8 +74,11 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p():
 
 def test_min_p_drops_tokens_below_a_fraction_of_the_top_probability():
     logits = torch.log(torch.tensor([[0.1, 0.5, 0.25, 0.15]]))
-    probs = truncated_probs(logits, batch(logits, [SamplingParams(min_p=0.3)]))  # threshold 0.15
+    # threshold 0.29 x 0.5 = 0.145: 0.1 goes, 0.15 stays (at exactly 0.3 float rounding decides)
+    probs = truncated_probs(logits, batch(logits, [SamplingParams(min_p=0.29)]))
     assert (probs[0] > 0).tolist() == [False, True, True, True]
+    probs = truncated_probs(logits, batch(logits, [SamplingParams(min_p=0.31)]))
+    assert (probs[0] > 0).tolist() == [False, True, True, False]
 
 
 def test_temperature_divides_logits():
@@ -162,55 +165,67 @@ def test_seeded_noise_is_a_pure_function_of_seed_index_and_token():
     assert abs(many.mean().item() - 1.0) < 0.02 and abs(many.var().item() - 1.0) < 0.05  # Exp(1)
 
 
-# ---- drawing among the CANDIDATES most likely tokens (vocabularies of 2 x CANDIDATES and more) ----
+# ---- drawing among the CANDIDATES most likely tokens (CPU, vocabularies of 2 x CANDIDATES and more) ----
 
 def _peaked(rows, vocab, scale, seed=0):
-    """Logits like a trained model's: a few tokens hold most of the mass (scale ~4), or flat (scale < 1)."""
-    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale
+    """Logits like a bfloat16 model's: a few tokens hold most of the mass (scale ~4; flat below 1), and
+    values rounded to bfloat16, so that ties are common (the model returns bfloat16 logits as float32)."""
+    return (torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale).bfloat16().float()
 
 
 KNOBS = [SamplingParams(top_k=5, seed=1), SamplingParams(top_k=50, temperature=0.7, seed=2),
-         SamplingParams(top_k=CANDIDATES, seed=3), SamplingParams(top_p=0.9, seed=4),
+         SamplingParams(top_k=700, seed=3), SamplingParams(top_p=0.9, seed=4),
          SamplingParams(top_p=0.5, temperature=1.3, seed=5), SamplingParams(top_k=40, top_p=0.8, seed=6),
          SamplingParams(min_p=0.05, seed=7), SamplingParams(top_k=2000, min_p=0.1, seed=8),
-         SamplingParams(temperature=0.0, seed=9), SamplingParams(top_p=0.95, min_p=0.02, temperature=0.8, seed=10)]
+         SamplingParams(temperature=0.0, seed=9), SamplingParams(top_p=0.95, min_p=0.02, temperature=0.8, seed=10),
+         SamplingParams(top_k=20, top_p=0.9, logit_bias={7: 5.0}, seed=11),
+         SamplingParams(top_p=0.9, repetition_penalty=1.2, frequency_penalty=0.5, seed=12)]
 
 
-def test_candidates_hold_the_same_truncated_distribution_as_the_whole_vocabulary():
-    logits = _peaked(len(KNOBS) * 6, 4 * CANDIDATES, 4.0)
-    params = KNOBS * 6
-    b = batch(logits, params)
-    assert b.all_truncated
-    probs, ids = truncated_candidates(logits, b)
-    assert probs.shape == ids.shape == (len(params), CANDIDATES)
-    full = torch.zeros_like(logits).scatter_(1, ids, probs)
-    want = truncated_probs(logits, b)
-    drawing = [i for i, p in enumerate(params) if not p.greedy]
-    assert torch.equal(full[drawing] > 0, want[drawing] > 0)  # the same kept tokens, row by row
-    # the same probabilities up to each row's normalisation (min_p's zeros are not renormalised, and
-    # the draw, argmax p / E, does not depend on a row's scale)
-    norm = lambda p: p / p.sum(dim=-1, keepdim=True)  # noqa: E731
-    assert torch.allclose(norm(full[drawing]), norm(want[drawing]), rtol=1e-5, atol=1e-7)
-
-
-def test_seeded_rows_draw_the_same_tokens_among_candidates_as_from_the_whole_vocabulary(monkeypatch):
+def test_candidates_get_bit_for_bit_the_weights_the_whole_vocabulary_gives_them():
     import msgspec
 
+    logits = _peaked(len(KNOBS) * 8, 4 * CANDIDATES, 4.0)
+    params = [msgspec.structs.replace(p, seed=i) for i, p in enumerate(KNOBS * 8)]
+    b = batch(logits, params, prompts=[[3, 9]] * len(params), outputs=[[9, 9, 5]] * len(params))
+    x = logits.clone()
+    apply_penalties(x, b)
+    assert b.all_truncated
+    weights, ids = truncated_candidates(x, b)
+    assert weights.shape == ids.shape == (len(params), CANDIDATES)
+    whole = truncated_weights(x, b)
+    drawing = [i for i, p in enumerate(params) if not p.greedy]
+    assert torch.equal(whole.gather(1, ids)[drawing], weights[drawing])  # exact, ties included
+    assert torch.equal((whole[drawing] > 0).sum(dim=-1), (weights[drawing] > 0).sum(dim=-1))  # nothing kept outside
+
+
+def test_a_seeded_row_draws_the_same_token_alone_and_beside_a_row_that_takes_the_whole_vocabulary(monkeypatch):
+    """The beside row (temperature only) sends the batch down the whole vocabulary's path; alone, the
+    seeded row takes the candidates. bfloat16-rounded logits: ties at the top-k and top-p boundaries."""
     import pagedkv.worker.sampler as sampler_module
 
-    logits = _peaked(len(KNOBS) * 20, 3 * CANDIDATES, 4.0, seed=1)
-    params = [msgspec.structs.replace(p, seed=i) for i, p in enumerate(KNOBS * 20)]
-    b, whole = batch(logits, params), batch(logits, params)
-    whole.all_truncated = False  # forces the whole-vocabulary path
-    calls = []
+    taken = []
     real = sampler_module.truncated_candidates
-    monkeypatch.setattr(sampler_module, "truncated_candidates", lambda x, bb: calls.append(1) or real(x, bb))
-    for index in range(3):
-        b.output_index = whole.output_index = torch.full((len(params),), index)
-        got = Sampler(0, CPU).sample_tensor(logits, b)
-        assert torch.equal(got, Sampler(0, CPU).sample_tensor(logits, whole))
-        assert len(set(got.tolist())) > 20  # real draws, not all argmaxes
-    assert len(calls) == 3
+    monkeypatch.setattr(sampler_module, "truncated_candidates", lambda x, bb: taken.append(r := real(x, bb)) or r)
+    knobs = [SamplingParams(top_k=50, seed=0), SamplingParams(top_k=20, top_p=0.9, seed=0),
+             SamplingParams(top_p=0.9, seed=0), SamplingParams(min_p=0.05, temperature=1.2, seed=0)]
+    drawn = set()
+    for trial in range(100):
+        logits = _peaked(2, 8 * CANDIDATES, 4.0, seed=trial)
+        for knob in knobs:
+            seeded = msgspec_replace(knob, seed=trial)
+            alone = Sampler(0, CPU).sample_tensor(logits[:1], batch(logits[:1], [seeded]))
+            beside = Sampler(0, CPU).sample_tensor(logits, batch(logits, [seeded, SamplingParams(temperature=1.0)]))
+            assert alone.item() == beside[0].item(), (trial, knob)
+            drawn.add(alone.item())
+    assert len(drawn) > 100  # real draws, not argmaxes
+    assert taken and all(t is not None for t in taken)  # every lone row took the candidates
+
+
+def msgspec_replace(params, **changes):
+    import msgspec
+
+    return msgspec.structs.replace(params, **changes)
 
 
 def test_seeded_noise_at_token_ids_equals_the_whole_vocabularys_at_those_ids():
@@ -233,7 +248,40 @@ def test_candidates_are_used_only_where_every_kept_token_is_provably_among_them(
     assert (truncated_candidates(logits, b) is not None) == fits
 
 
-def test_rows_without_truncation_never_take_the_candidates():
-    for p in [SamplingParams(), SamplingParams(top_k=CANDIDATES + 1), SamplingParams(temperature=0.5)]:
-        assert not batch(LOGITS, [SamplingParams(top_k=5), p]).all_truncated
+def test_a_kept_tie_that_may_continue_past_the_candidates_takes_the_whole_vocabulary():
+    """2,000 tokens share the top value: topk picks some of them, the stable sort the lowest ids."""
+    logits = torch.full((1, 4 * CANDIDATES), -5.0)
+    logits[0, 1000:3000] = 2.0
+    assert truncated_candidates(logits, batch(logits, [SamplingParams(top_k=10)])) is None
+    logits[0, 3000] = 9.0  # one clear winner keeps top_k=1 away from the tie
+    weights, ids = truncated_candidates(logits, batch(logits, [SamplingParams(top_k=1)]))
+    assert ids[0, 0] == 3000 and weights[0, 0] == 1.0 and (weights[0, 1:] == 0).all()
+
+
+def test_rows_without_truncation_never_take_the_candidates(monkeypatch):
+    import pagedkv.worker.sampler as sampler_module
+
+    monkeypatch.setattr(sampler_module, "truncated_candidates", lambda x, bb: pytest.fail("took the candidates"))
+    logits = _peaked(2, 4 * CANDIDATES, 4.0)
+    for p in [SamplingParams(seed=1), SamplingParams(top_k=CANDIDATES + 1, seed=1), SamplingParams(temperature=0.5)]:
+        b = batch(logits, [SamplingParams(top_k=5, seed=2), p])
+        assert not b.all_truncated
+        Sampler(0, CPU).sample_tensor(logits, b)
     assert batch(LOGITS, [SamplingParams(top_k=5), SamplingParams(temperature=0.0)]).all_truncated
+
+
+@pytest.mark.parametrize("cut, fits", [(1000, True), (1020, True), (1030, False)])
+def test_a_top_p_cut_near_the_last_candidate_decides_by_the_mass_before_the_first_token_past_them(cut, fits):
+    """1,100 tokens of nearly equal weight: top_p keeps about `cut` of them; the candidates serve while
+    the token past them (rank 1,024) is dropped, with the same kept tokens as the whole vocabulary."""
+    logits = torch.full((1, 4 * CANDIDATES), -60.0)
+    logits[0, :1100] = -torch.arange(1100) * 1e-3
+    top_p = float(torch.softmax(logits[0], -1)[:cut].sum()) - 1e-5
+    b = batch(logits, [SamplingParams(top_p=top_p, seed=3)])
+    kept = truncated_candidates(logits, b)
+    assert (kept is not None) == fits
+    if fits:
+        weights, ids = kept
+        whole = truncated_weights(logits, b)
+        assert torch.equal(whole.gather(1, ids), weights) and int((weights > 0).sum()) == int((whole > 0).sum())
+        assert abs(int((weights > 0).sum()) - cut) <= 1

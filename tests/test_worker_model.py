@@ -476,6 +476,14 @@ def test_warm_up_leaves_no_request_and_generation_unchanged(stories260k, host):
     assert d.output("a") == GOLDEN_OUTPUT_IDS[:20]
 
 
+def test_the_cpu_warm_up_skips_triton_which_runs_interpreted_on_a_cpu(stories260k):
+    import types
+
+    d = Driver(stories260k)
+    d.runner.model.kernels = types.ModuleType("pagedkv.kernels.triton_kernels")  # no attribute: any call fails
+    assert d.runner.warm_up() == 0
+
+
 def test_the_cpu_warm_up_prefill_is_bounded_by_its_flops():
     from pagedkv.worker.model_runner import CPU_WARM_UP_FLOPS, cpu_warm_up_tokens
 

@@ -226,10 +226,12 @@ def _anon_huge_kib(pid: int) -> int:
                     reason="the kernel offers no transparent huge pages")
 @pytest.mark.parametrize("user_setting", [None, "0"])
 def test_the_worker_puts_its_kv_pool_on_transparent_huge_pages_unless_the_user_says_0(tmp_path, stories260k,
-                                                                                          user_setting):
+                                                                                          user_setting, monkeypatch):
     """The spawned worker sets THP_MEM_ALLOC_ENABLE=1 before torch is imported: its KV pool (ten
     tensors of 5 MiB here) lies on 2 MiB pages. A user's 0 wins; where the kernel's mode is
     ``madvise`` nothing is then on huge pages (under ``always`` the kernel may still use them)."""
+    if user_setting is None:
+        monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)  # a developer's shell may export it
     stub = Stub(tmp_path, env={"THP_MEM_ALLOC_ENABLE": user_setting} if user_setting else None)
     try:
         start(stub, EngineConfig(model=str(stories260k), device="cpu", cpu_kv_cache_space=0.05), num_gpu_blocks=None)
@@ -245,6 +247,35 @@ def test_the_worker_puts_its_kv_pool_on_transparent_huge_pages_unless_the_user_s
         assert "no transparent huge pages (THP_MEM_ALLOC_ENABLE" in log
         if host_memory.transparent_huge_pages() == "madvise":
             assert huge == 0
+
+
+_CLI_WORKER = """
+import os, sys
+from pagedkv.worker import host_memory
+real = host_memory.use_huge_pages_for_tensors
+
+def probe():
+    print("torch imported before:", "torch" in sys.modules, "huge pages:", real(), flush=True)
+    return True
+
+host_memory.use_huge_pages_for_tensors = probe
+from pagedkv.scheduler.cli import main
+main(["worker", "--connect", sys.argv[1]])
+"""
+
+
+@pytest.mark.skipif(host_memory.transparent_huge_pages() not in ("always", "madvise"),
+                    reason="the kernel offers no transparent huge pages")
+def test_pagedkv_worker_asks_for_huge_pages_before_anything_imports_torch(tmp_path):
+    """`pagedkv worker` (the CLI, whose parser builds every subcommand): its parent is gone, so it
+    exits at its first check, after the probe has run."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    env.update({SECRET_ENV: SECRET.decode(), "PAGEDKV_PARENT_PID": str(gone.pid)})
+    out = subprocess.run([sys.executable, "-c", _CLI_WORKER, f"ipc://{tmp_path}/nobody.sock"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert "torch imported before: False huge pages: True" in out.stdout, out.stderr[-2000:]
 
 
 _THP = """

@@ -43,9 +43,10 @@ def use_huge_pages_for_tensors() -> bool:
     ask: this sets ``THP_MEM_ALLOC_ENABLE=1``, PyTorch's switch for that.
 
     Must run before torch is imported (PyTorch reads the variable once, at its first allocation).
-    Changes nothing, and returns whether the variable says 1, when the user set it (``0`` turns this
-    off); when torch is already imported; or when the kernel's mode is ``never`` or unknown. RSS does
-    not grow measurably: only tensors of 2 MiB and up are advised, and they are touched whole.
+    Changes nothing when the user set the variable (``0`` turns this off), when torch is already
+    imported, or when the kernel's mode is ``never`` or unknown. Returns `huge_pages_for_tensors`:
+    whether large tensors now go on huge pages. RSS does not grow measurably: only tensors of 2 MiB
+    and up are advised, and they are touched whole.
     """
     if THP_ENV not in os.environ and "torch" not in sys.modules and transparent_huge_pages() in ("always", "madvise"):
         os.environ[THP_ENV] = "1"

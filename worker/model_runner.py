@@ -33,7 +33,8 @@ _ALIGN = 16  # staged segments start at multiples of 16 elements: aligned device
 def cpu_warm_up_tokens(model_config: ModelConfig, max_num_batched_tokens: int) -> int:
     """Tokens of the CPU warm-up prefill (`ModelRunner.warm_up`): max_num_batched_tokens, fewer where that
     would cost more than `CPU_WARM_UP_FLOPS` (2 FLOPs per weight per token), at least one.
-    stories260K: 2,048 (of the default 2,048); a ~200M-parameter Llama: 276 (2,048 took 5 s on one core)."""
+    stories260K: 2,048 (of the default 2,048); ops/weights_bound_model.py's 181M-parameter Llama: 276
+    (2,048 took 5.4 s on one core)."""
     flops_per_token = 2 * model_config.weight_bytes("float32") // 4
     return max(1, min(max_num_batched_tokens, int(CPU_WARM_UP_FLOPS // flops_per_token)))
 
@@ -120,7 +121,7 @@ class ModelRunner:
             if self.model.kernels.__name__.endswith(".triton_kernels"):
                 return 0  # Triton on a CPU runs interpreted (tests, debugging): 2,048 tokens took 40 s there
             tokens = cpu_warm_up_tokens(self.model_config, self.engine_config.max_num_batched_tokens)
-            self._dummy_prefill(tokens, greedy)
+            self._dummy_prefill(tokens, greedy, "warm-up")
             return tokens
         n = max(1, min(self.max_model_len - 1, 4096))
         nb = -(-(n + 1) // self.block_size)
@@ -137,7 +138,7 @@ class ModelRunner:
             self.model.kv_scales = scales
         return 0
 
-    def _dummy_prefill(self, total: int, params: SamplingParams) -> int:
+    def _dummy_prefill(self, total: int, params: SamplingParams, name: str = "profile") -> int:
         """One step of ``total`` new tokens (id 0) in sequences of at most max_model_len, sampled with
         ``params``, on a temporary KV cache freed on return; no request is left behind, the fp8 scales
         are not calibrated by it. Returns the temporary cache's size in bytes."""
@@ -149,7 +150,7 @@ class ModelRunner:
         scales = self.model.kv_scales
         news, first = [], 0
         for i, (n, b) in enumerate(zip(lens, nblocks)):
-            news.append(NewRequestData(f"profile-{i}", [0] * n, n, list(range(first, first + b)), 0, n, params))
+            news.append(NewRequestData(f"{name}-{i}", [0] * n, n, list(range(first, first + b)), 0, n, params))
             first += b
         try:
             self._execute(StepPlan(step_id=-1, new_requests=news), cache)
@@ -176,7 +177,9 @@ class ModelRunner:
                                 frequency_penalty=0.5, logprobs=cfg.max_logprobs, seed=i if i % 2 else None)
                  for i in range(rows)]
         logits = torch.zeros(rows, vocab, dtype=torch.float32, device=self.device)
-        self.sampler.sample(logits, SamplingBatch.from_params(mixed, [[0]] * rows, [[0]] * rows, vocab, self.device))
+        batch = SamplingBatch.from_params(mixed, [[0]] * rows, [[0]] * rows, vocab, self.device)
+        batch.all_truncated = False  # profile the heavier whole-vocabulary path (a row that does not truncate)
+        self.sampler.sample(logits, batch)
         self.sampler = Sampler(cfg.seed, self.device, self.model_config.eos_token_ids)  # unseeded draws start afresh
         return cache_bytes
 

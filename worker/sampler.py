@@ -18,12 +18,13 @@ id): a counter-based hash (`seeded_exponential`) turned into ``E = -log(U)`` wit
 token does not depend on the batch, the step or a preemption, and no generator object exists per
 row. Unseeded rows draw from the sampler's own generator (EngineConfig.seed).
 
-When every row that draws truncates (a top_k up to `CANDIDATES`, a top_p or a min_p) and the
-vocabulary is large, truncation and the draw run among each row's `CANDIDATES` most likely tokens
-(`truncated_candidates`) wherever its kept tokens provably lie there: one partial selection instead
-of a sort, noise for 1,024 tokens instead of the vocabulary (12-22x faster at 256 rows of 128K on a
-CPU, `ops/bench_sampler.py`). Seeded rows draw the same tokens either way; unseeded rows draw fewer
-numbers from the generator, so their stream differs from the whole-vocabulary path's.
+On the CPU, when every row that draws truncates (a top_k up to `CANDIDATES`, a top_p or a min_p)
+and the vocabulary is large, truncation and the draw run among each row's `CANDIDATES` most likely
+tokens (`truncated_candidates`) wherever its kept tokens provably lie there: one partial selection
+instead of a sort, noise for 1,024 tokens instead of the vocabulary (7-22x faster at 32-256 rows of
+32K-128K, `ops/bench_sampler.py`). The candidates get bit for bit the weights the whole vocabulary's
+path gives them, so a seeded row draws the same token on either path, whatever else is in the batch;
+unseeded rows draw fewer numbers from the generator, so their stream differs between the paths.
 
 Logprobs follow vLLM's default (``logprobs_mode="raw_logprobs"``): log-softmax of the model's raw
 logits, before penalties, temperature and truncation, so they describe the model's distribution.
@@ -195,15 +196,17 @@ class Sampler:
         tokens = argmax(x)
         if batch.all_greedy:
             return tokens
-        kept = truncated_candidates(x, batch) if batch.all_truncated and x.shape[1] >= 2 * CANDIDATES else None
-        probs, ids = kept if kept is not None else (truncated_probs(x, batch), None)
-        noise = torch.empty_like(probs)
+        # candidates on the CPU only: their check costs a device sync, and the sort they avoid is cheap on a GPU
+        candidates = batch.all_truncated and x.device.type == "cpu" and x.shape[1] >= 2 * CANDIDATES
+        kept = truncated_candidates(x, batch) if candidates else None
+        weights, ids = kept if kept is not None else (truncated_weights(x, batch), None)
+        noise = torch.empty_like(weights)
         if batch.any_unseeded:
             noise.exponential_(generator=self.generator)
         if batch.any_seeded:
-            seeded = seeded_exponential(batch.seeds, batch.output_index, probs.shape[1] if ids is None else ids)
+            seeded = seeded_exponential(batch.seeds, batch.output_index, weights.shape[1] if ids is None else ids)
             noise = torch.where(batch.seeded[:, None], seeded, noise)
-        drawn = argmax(probs / noise.clamp_min_(1e-20))
+        drawn = argmax(weights / noise.clamp_min_(1e-20))
         if ids is not None:
             drawn = ids.gather(1, drawn[:, None]).squeeze(1)
         return torch.where(batch.temperature < MIN_TEMPERATURE, tokens, drawn)  # below it: greedy
@@ -296,69 +299,113 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
 
 
 def truncated_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Probabilities ``[rows, vocab]`` float32 after temperature, top-k, top-p and min-p.
+    """Probabilities ``[rows, vocab]`` float32 after temperature, top-k, top-p and min-p: `truncated_weights`
+    normalised (the sampler draws with the weights; this is their distribution)."""
+    weights = truncated_weights(logits, batch)
+    return weights / weights.sum(dim=-1, keepdim=True)
 
-    top_k <= 0 disables it; top_p 1 disables it; the most likely token is always kept. Greedy rows
-    (temperature below MIN_TEMPERATURE, 0 included) come out as if temperature were 1; the caller
-    takes their argmax instead.
+
+def truncated_weights(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Unnormalised probabilities ``[rows, vocab]`` float32 after temperature, top-k, top-p and min-p:
+    ``e^(logit / T - max)`` for kept tokens (1 for the most likely), 0 for the others.
+
+    top_k <= 0 disables it; top_p 1 disables it; the most likely token is always kept. Over the first
+    CANDIDATES + 1 ranks ties go by token id, so top_k and top_p keep the lower ids of a tie there, as
+    `truncated_candidates` does (past them, in the sort's own order: a stable sort of the whole
+    vocabulary cost 30% more). min_p drops a token whose weight is below min_p (the top token's is
+    1). Greedy rows (temperature below MIN_TEMPERATURE, 0 included) come out as if temperature were
+    1; the caller takes their argmax.
     """
-    vocab = logits.shape[1]
-    temperature = torch.where(batch.temperature >= MIN_TEMPERATURE, batch.temperature, 1.0)
-    logits = logits / temperature[:, None]
+    x = _tempered(logits, batch)
     if batch.any_top_k_top_p:  # one sort serves both
-        top_k = torch.where(batch.top_k > 0, batch.top_k, vocab).clamp_max(vocab)
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        rank = torch.arange(vocab, device=logits.device)[None, :]
-        sorted_logits.masked_fill_(rank >= top_k[:, None], float("-inf"))
-        sorted_probs = sorted_logits.softmax(dim=-1)
-        # drop a token when the more likely ones already reach top_p
-        beyond = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= batch.top_p[:, None]
-        sorted_logits.masked_fill_(beyond & (batch.top_p < 1)[:, None], float("-inf"))
-        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
-    probs = logits.softmax(dim=-1)
+        vals, order = x.sort(dim=-1, descending=True)
+        n = min(CANDIDATES + 1, x.shape[1])
+        vals[:, :n], order[:, :n] = _ties_by_id(vals[:, :n], order[:, :n])
+        _top_k_top_p(vals, x, batch)
+        x = torch.empty_like(x).scatter_(1, order, vals)
+    return _weights(x, batch)
+
+
+def _ties_by_id(vals: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Values ``[rows, n]`` with their token ids, sorted by value descending and equal values by id."""
+    ids, by_id = ids.sort(dim=-1)
+    vals, by_value = vals.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
+    return vals, ids.gather(1, by_value)
+
+
+def _tempered(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    temperature = torch.where(batch.temperature >= MIN_TEMPERATURE, batch.temperature, 1.0)
+    return logits / temperature[:, None]
+
+
+def _top_k_top_p(vals: torch.Tensor, x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Top-k then top-p IN PLACE on each row's tempered logits sorted descending, ties by token id:
+    ``vals`` ``[rows, n]``, the whole vocabulary or its first CANDIDATES + 1; dropped tokens become
+    -inf. x: the same logits ``[rows, vocab]`` unsorted. Returns each rank's probability mass before
+    it, ``[rows, n]`` (top_p drops a rank once that reaches top_p).
+
+    Every quantity a rank's fate depends on is computed the same way at either width: top_p's mass is
+    normalised over the first CANDIDATES sorted values when 0 < top_k <= CANDIDATES, else over x
+    (the whole vocabulary; a top_k above CANDIDATES takes the full-width masked row, right only at
+    full width), and a cumulative sum's prefix does not depend on what follows it. So the
+    candidates' ranks come out bit for bit as the vocabulary's first ones (`truncated_candidates`).
+    """
+    rank = torch.arange(vals.shape[1], device=vals.device)[None, :]
+    vals.masked_fill_((batch.top_k > 0)[:, None] & (rank >= batch.top_k[:, None]), float("-inf"))
+    norm = vals[:, :CANDIDATES].logsumexp(dim=-1)  # 0 < top_k <= CANDIDATES
+    wide, whole = (batch.top_k > CANDIDATES) & (batch.top_p < 1), (batch.top_k <= 0) & (batch.top_p < 1)
+    cpu = x.device.type == "cpu"  # there a host check is free, and skips a pass over the vocabulary
+    if not cpu or bool(wide.any()):
+        norm = torch.where(wide, vals.logsumexp(dim=-1), norm)
+    if not cpu or bool(whole.any()):
+        norm = torch.where(whole, x.logsumexp(dim=-1), norm)
+    probs = (vals - norm[:, None]).exp()
+    before = probs.cumsum(dim=-1) - probs
+    vals.masked_fill_((before >= batch.top_p[:, None]) & (batch.top_p < 1)[:, None], float("-inf"))
+    return before
+
+
+def _weights(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """``e^(x - row max)`` with min_p applied (weights below it set to 0); x in any column order."""
+    weights = (x - x.max(dim=-1, keepdim=True).values).exp()
     if batch.any_min_p:
-        probs = probs.masked_fill(probs < batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
-    return probs
+        weights.masked_fill_(weights < batch.min_p[:, None], 0.0)
+    return weights
 
 
 def truncated_candidates(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`truncated_probs` among the `CANDIDATES` most likely tokens of each row, when every row's kept
-    tokens provably lie among them; else None (the caller takes the whole vocabulary).
+    """`truncated_weights` among the `CANDIDATES` most likely tokens of each row, when every row's
+    kept tokens provably lie among them; else None (the caller takes the whole vocabulary).
 
-    Returns probs ``[rows, CANDIDATES]`` float32 and their token ids ``[rows, CANDIDATES]`` int64,
-    most likely first. A row's kept set lies among the candidates when its top_k is 1 to
-    CANDIDATES, when its candidates already hold its top_p of the probability (under top_k <= 0:
-    the whole vocabulary's, a full log-sum-exp), or when min_p already drops the last candidate;
-    greedy rows always qualify (their argmax is taken elsewhere). Margins (1e-6 of probability,
-    1e-3 of log-probability) keep float rounding from deciding that. The kept tokens are then
-    `truncated_probs`' and so are their probabilities, up to float rounding and each row's scale
-    (normalised over the candidates; the draw, argmax p / E, does not depend on it), and a seeded
-    row's noise at a token is the same (`seeded_exponential` at its id): it draws the same token
-    unless two values meet within float rounding.
+    Returns weights ``[rows, CANDIDATES]`` float32 and their token ids ``[rows, CANDIDATES]`` int64,
+    most likely first (ties by token id). The candidates are the first CANDIDATES + 1 ranks of the
+    whole vocabulary's path, and `_top_k_top_p` and `_weights` give them bit for bit the values that
+    path gives them. A row qualifies when the token just past the candidates is dropped there: by its
+    top_k (1 to CANDIDATES), by top_p (the mass before it reaches top_p, under top_k <= 0), or by
+    min_p (its weight below min_p); margins of 1e-6 keep float rounding of the ranks beyond from
+    deciding that. A tie at that token's value may continue past the candidates, where either path
+    holds an arbitrary part of it: a row that keeps a token of that value does not qualify (so it
+    takes the whole vocabulary's path in every batch). Greedy rows always qualify (their argmax is
+    taken elsewhere). So a seeded row draws the same token on both paths (`seeded_exponential` at a
+    token's id is the same noise), whatever the batch, barring an exact tie of weight / noise
+    between two tokens. NaN logits: undefined on either path.
 
-    Why: the full path sorts each row's vocabulary and draws noise for every token. At 256 rows of
+    Why: the whole vocabulary's path sorts every row and draws noise for every token. At 256 rows of
     a 128K vocabulary that took 7-9 s a step on one CPU thread, 3.9 s of it hashing seeded noise;
-    here a partial selection (topk) and a log-sum-exp read the vocabulary once.
+    here a partial selection (topk), two short sorts and a log-sum-exp read the vocabulary.
     """
-    temperature = torch.where(batch.temperature >= MIN_TEMPERATURE, batch.temperature, 1.0)
-    logits = logits / temperature[:, None]
-    vals, ids = logits.topk(CANDIDATES, dim=-1)  # descending
-    rank = torch.arange(CANDIDATES, device=logits.device)[None, :]
-    by_k = (batch.top_k > 0) & (batch.top_k <= CANDIDATES)
-    vals.masked_fill_(by_k[:, None] & (rank >= batch.top_k[:, None]), float("-inf"))
-    # the distribution top_p measures: the top_k tokens' (all among the candidates), else the vocabulary's
-    norm = torch.where(by_k, vals.logsumexp(dim=-1), logits.logsumexp(dim=-1))
-    probs = (vals - norm[:, None]).exp()
-    mass = probs.cumsum(dim=-1)
-    beyond = (mass - probs) >= batch.top_p[:, None]  # the more likely ones already reach top_p
-    vals.masked_fill_(beyond & (batch.top_p < 1)[:, None], float("-inf"))
-    by_p = (batch.top_p < 1) & (batch.top_k <= 0) & (mass[:, -1] >= batch.top_p + 1e-6)
-    by_min_p = (batch.min_p > 0) & (vals[:, -1] - vals[:, 0] < torch.log(batch.min_p) - 1e-3)
-    # (a top_p over a top_k wider than the candidates is measured on a distribution not at hand)
-    within = by_k | by_p | (by_min_p & ((batch.top_p >= 1) | (batch.top_k <= CANDIDATES)))
-    if not bool((within | (batch.temperature < MIN_TEMPERATURE)).all()):
+    k = CANDIDATES
+    x = _tempered(logits, batch)
+    vals, ids = _ties_by_id(*x.topk(k + 1, dim=-1))  # every value above the (k + 1)-th, and some of its ties
+    raw = vals.clone()
+    before = _top_k_top_p(vals, x, batch)
+    weights = _weights(vals, batch)
+    last = raw[:, k]  # the first token past the candidates
+    by_k = (batch.top_k > 0) & (batch.top_k <= k)
+    by_p = (batch.top_p < 1) & (batch.top_k <= 0) & (before[:, k] >= batch.top_p + 1e-6)
+    by_min_p = ((batch.min_p > 0) & ((last - raw[:, 0]).exp() < batch.min_p * (1 - 1e-6))
+                & ((batch.top_p >= 1) | (batch.top_k <= k)))  # top_p over a wider top_k: not at hand here
+    tied = ((raw[:, :k] == last[:, None]) & (weights[:, :k] > 0)).any(dim=-1)
+    if not bool((((by_k | by_p | by_min_p) & ~tied) | (batch.temperature < MIN_TEMPERATURE)).all()):
         return None
-    probs = vals.softmax(dim=-1)
-    if batch.any_min_p:
-        probs = probs.masked_fill(probs < batch.min_p[:, None] * probs[:, :1], 0.0)
-    return probs, ids
+    return weights[:, :k], ids[:, :k]

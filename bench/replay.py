@@ -77,7 +77,8 @@ def resolve_trace(trace: str) -> Path:
     """``conv`` / ``code`` name the Azure traces; anything else is a CSV path. Raises FileNotFoundError."""
     path = default_trace_dir() / TRACE_NAMES[trace] if trace in TRACE_NAMES else Path(trace)
     if not path.is_file():
-        raise FileNotFoundError(f"trace {trace!r}: no file at {path}")
+        hint = " (set $PAGEDKV_TRACES to the Azure traces' folder, or give a CSV path)" if trace in TRACE_NAMES else ""
+        raise FileNotFoundError(f"trace {trace!r}: no file at {path}{hint}")
     return path
 
 

@@ -49,7 +49,10 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"Sampler.sample, CPU ms per call ({args.threads} thread(s)), median of {args.repeats} alternating repeats")
+    repeats = f"median of {args.repeats} alternating repeats" if args.repeats > 1 else "1 repeat"
+    print(f"Sampler.sample, CPU ms per call ({args.threads} thread(s)), {repeats}")
+    print("candidates: the worker's path (truncation and the draw among each row's 1,024 most likely tokens, where "
+          "they provably hold every kept token); whole: the whole vocabulary's (a sort, noise for every token)")
     print(f"{'rows x vocab':>14}  {'knobs':<46} {'candidates':>11} {'whole':>9} {'whole/cand':>10}  seeded equal")
     for shape in args.shapes.split(","):
         rows, vocab = (int(x) for x in shape.split("x"))
@@ -72,8 +75,8 @@ def main() -> None:
                     times[key].append(cpu_ms(lambda: sampler.sample(logits, b), iters))
             ratio = statistics.median(w / c for c, w in zip(times["cand"], times["whole"]))
             print(f"{shape:>14}  {name:<46} {statistics.median(times['cand']):11.1f} "
-                  f"{statistics.median(times['whole']):9.1f} {ratio:9.1f}x  {'yes' if same else 'NO'}"
-                  + ("" if seeded.any() else " (none seeded)"))
+                  f"{statistics.median(times['whole']):9.1f} {ratio:9.1f}x  "
+                  + (("yes" if same else "NO") if seeded.any() else "n/a (none seeded)"))
 
 
 if __name__ == "__main__":

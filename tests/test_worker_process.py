@@ -244,7 +244,7 @@ def test_the_worker_puts_its_kv_pool_on_transparent_huge_pages_unless_the_user_s
     if user_setting is None:
         assert huge >= 2048 and "tensors of 2 MiB and up on transparent huge pages" in log
     else:
-        assert "no transparent huge pages (THP_MEM_ALLOC_ENABLE" in log
+        assert "no transparent huge pages (THP_MEM_ALLOC_ENABLE=0 is set)" in log
         if host_memory.transparent_huge_pages() == "madvise":
             assert huge == 0
 

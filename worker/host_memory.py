@@ -58,6 +58,16 @@ def huge_pages_for_tensors() -> bool:
     return os.environ.get(THP_ENV) == "1" and transparent_huge_pages() in ("always", "madvise")
 
 
+def why_no_huge_pages() -> str:
+    """Why `huge_pages_for_tensors` is False, in the words of the start-up log."""
+    if os.environ.get(THP_ENV, "1") != "1":
+        return f"{THP_ENV}={os.environ[THP_ENV]} is set"
+    mode = transparent_huge_pages()
+    if mode not in ("always", "madvise"):
+        return f"the kernel's mode is {mode or 'unknown'} ({THP_SETTING})"
+    return f"torch was imported before {THP_ENV} could be set"
+
+
 @functools.cache
 def _glibc() -> ctypes.CDLL | None:
     """This process's C library if it is glibc (mallopt and malloc_trim are glibc's), else None."""

@@ -32,7 +32,7 @@ from pagedkv.common.protocol import (PROTOCOL_VERSION, Channel, InitCache, LoadM
 from pagedkv.kernels import cpu_kernels
 from pagedkv.worker.cache_engine import measure_swap_bandwidth
 from pagedkv.worker.host_memory import (MMAP_THRESHOLD_MAX, huge_pages_for_tensors, release_freed_host_memory,
-                                         reuse_freed_host_memory)
+                                         reuse_freed_host_memory, why_no_huge_pages)
 from pagedkv.worker.model_loader import torch_dtype
 from pagedkv.worker.model_runner import ModelRunner
 from pagedkv.worker.parallel import destroy_group, init_group
@@ -139,7 +139,7 @@ def load(msg: LoadModel, rank: int = 0, world_size: int = 1, init_method: str | 
                  f"glibc malloc reuses freed blocks up to {MMAP_THRESHOLD_MAX >> 20} MiB"
                  if reuse_freed_host_memory() else "malloc thresholds left as they are",
                  "tensors of 2 MiB and up on transparent huge pages" if huge_pages_for_tensors()
-                 else "no transparent huge pages (THP_MEM_ALLOC_ENABLE, /sys/kernel/mm/transparent_hugepage/enabled)")
+                 else f"no transparent huge pages ({why_no_huge_pages()})")
     dtype = select_dtype(cfg, model_config, device)
     if hint := bfloat16_hint(cfg, model_config, device, cpu_flags()):
         log.info(hint)
@@ -167,7 +167,9 @@ def load(msg: LoadModel, rank: int = 0, world_size: int = 1, init_method: str | 
         log.info("attention: %s backend", kernels.__name__.rsplit(".", 1)[-1].removesuffix("_kernels"))
     start = time.monotonic()
     tokens = runner.warm_up()  # CUDA: compile the Triton kernels now; CPU: grow the heap to a prefill's activations
-    log.info("warmed up in %.2f s%s", time.monotonic() - start, f" (a {tokens}-token prefill)" if tokens else "")
+    seqs = -(-tokens // runner.max_model_len)
+    log.info("warmed up in %.2f s%s", time.monotonic() - start,
+             f" (one prefill step of {tokens} tokens in {seqs} sequence{'s' if seqs > 1 else ''})" if tokens else "")
     hello = WorkerHello(rank=rank, device=str(device), dtype=str(dtype).removeprefix("torch."),
                         kv_bytes_per_block=runner.kv_bytes_per_block, max_num_gpu_blocks=num_blocks,
                         kv_cache_dtype=runner.kv_cache_dtype,

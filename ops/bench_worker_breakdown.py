@@ -1,7 +1,7 @@
 """Where a worker step's CPU time goes, by model part: attention kernel, projections, MLP, norms, the rest.
 
 Runs `ModelRunner.execute` on a real checkpoint (dummy weights without model.safetensors) in this
-process, one thread, glibc malloc set as a CPU worker sets it (`worker.host_memory.reuse_freed_host_memory`),
+process, one thread, host memory set as a CPU worker sets it (`bench_worker_host.worker_host_memory`),
 with each part of the forward wrapped in a thread-CPU-time counter (the wrappers cost a few
 microseconds per call). Two step kinds:
 
@@ -33,21 +33,13 @@ import bench_worker_host  # noqa: E402  (its decode-step driver)
 
 
 def _runner(model: str, backend: str | None, num_blocks: int, max_num_seqs: int, dtype: str = "float32"):
-    try:  # host memory as the worker process sets it: huge pages before torch is imported
-        from pagedkv.worker.host_memory import reuse_freed_host_memory, use_huge_pages_for_tensors
-        use_huge_pages_for_tensors()
-    except ImportError:  # trees before the host_memory module (7e71564 to 50f2756 set malloc only)
-        try:
-            from pagedkv.worker.worker import reuse_freed_host_memory
-        except ImportError:  # trees before 7e71564 left glibc's defaults
-            reuse_freed_host_memory = lambda: None  # noqa: E731
+    bench_worker_host.worker_host_memory()  # before torch is imported
     import torch
 
     from pagedkv.common.config import EngineConfig, ModelConfig
     from pagedkv.worker.model_runner import ModelRunner
 
     torch.set_num_threads(1)
-    reuse_freed_host_memory()
     mc = ModelConfig.load(model)
     dummy = not os.path.exists(os.path.join(model, "model.safetensors"))
     cfg = EngineConfig(model=model, block_size=16, max_num_seqs=max_num_seqs, attention_backend=backend,

@@ -37,6 +37,19 @@ import time
 from pathlib import Path
 
 
+def worker_host_memory() -> None:
+    """Host memory as the measured tree's worker process sets it; call before torch is imported (huge pages)."""
+    try:
+        from pagedkv.worker.host_memory import reuse_freed_host_memory, use_huge_pages_for_tensors
+        use_huge_pages_for_tensors()
+    except ImportError:  # trees before the host_memory module: 7e71564 to 50f2756 set malloc only
+        try:
+            from pagedkv.worker.worker import reuse_freed_host_memory
+        except ImportError:  # trees before 7e71564 left glibc's defaults
+            return
+    reuse_freed_host_memory()
+
+
 def measure(num_requests: int, context: int, vocab: int, steps: int, block_size: int, model: str | None = None,
             attention_backend: str | None = None) -> dict:
     """Median and p90 host CPU ms per step (execute, and plan decoding) for one shape, in this process.
@@ -157,16 +170,7 @@ def main() -> None:
     args = p.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     if args.child:
-        try:  # host memory as each tree's worker sets it (huge pages before torch is imported)
-            from pagedkv.worker.host_memory import reuse_freed_host_memory, use_huge_pages_for_tensors
-            use_huge_pages_for_tensors()
-            reuse_freed_host_memory()
-        except ImportError:  # trees before the host_memory module: 7e71564 to 50f2756 set malloc only
-            try:
-                from pagedkv.worker.worker import reuse_freed_host_memory
-                reuse_freed_host_memory()
-            except ImportError:  # trees before 7e71564 left glibc's defaults
-                pass
+        worker_host_memory()
         print(json.dumps([measure(n, c, args.vocab, args.steps, args.block_size, args.model, args.attention_backend)
                           for n, c in shapes]))
         return

@@ -44,28 +44,26 @@ def use_huge_pages_for_tensors() -> bool:
 
     Must run before torch is imported (PyTorch reads the variable once, at its first allocation).
     Changes nothing when the user set the variable (``0`` turns this off), when torch is already
-    imported, or when the kernel's mode is ``never`` or unknown. Returns `huge_pages_for_tensors`:
-    whether large tensors now go on huge pages. RSS does not grow measurably: only tensors of 2 MiB
-    and up are advised, and they are touched whole.
+    imported, or when the kernel's mode is ``never`` or unknown. Returns whether large tensors now go
+    on huge pages (`huge_pages_off` is None). RSS does not grow measurably: only tensors of 2 MiB and
+    up are advised, and they are touched whole.
     """
     if THP_ENV not in os.environ and "torch" not in sys.modules and transparent_huge_pages() in ("always", "madvise"):
         os.environ[THP_ENV] = "1"
-    return huge_pages_for_tensors()
+    return huge_pages_off() is None
 
 
-def huge_pages_for_tensors() -> bool:
-    """Whether PyTorch in this process puts large CPU tensors on transparent huge pages (for the start-up log)."""
-    return os.environ.get(THP_ENV) == "1" and transparent_huge_pages() in ("always", "madvise")
-
-
-def why_no_huge_pages() -> str:
-    """Why `huge_pages_for_tensors` is False, in the words of the start-up log."""
+def huge_pages_off() -> str | None:
+    """None when PyTorch in this process puts large CPU tensors on transparent huge pages; else why
+    not, in the words of the worker's start-up log."""
     if os.environ.get(THP_ENV, "1") != "1":
         return f"{THP_ENV}={os.environ[THP_ENV]} is set"
     mode = transparent_huge_pages()
     if mode not in ("always", "madvise"):
         return f"the kernel's mode is {mode or 'unknown'} ({THP_SETTING})"
-    return f"torch was imported before {THP_ENV} could be set"
+    if THP_ENV not in os.environ:
+        return f"torch was imported before {THP_ENV} could be set"
+    return None
 
 
 @functools.cache

@@ -31,8 +31,8 @@ from pagedkv.common.protocol import (PROTOCOL_VERSION, Channel, InitCache, LoadM
                                      WorkerReady)
 from pagedkv.kernels import cpu_kernels
 from pagedkv.worker.cache_engine import measure_swap_bandwidth
-from pagedkv.worker.host_memory import (MMAP_THRESHOLD_MAX, huge_pages_for_tensors, release_freed_host_memory,
-                                         reuse_freed_host_memory, why_no_huge_pages)
+from pagedkv.worker.host_memory import (MMAP_THRESHOLD_MAX, huge_pages_off, release_freed_host_memory,
+                                         reuse_freed_host_memory)
 from pagedkv.worker.model_loader import torch_dtype
 from pagedkv.worker.model_runner import ModelRunner
 from pagedkv.worker.parallel import destroy_group, init_group
@@ -135,11 +135,11 @@ def load(msg: LoadModel, rank: int = 0, world_size: int = 1, init_method: str | 
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(cpu_compute_threads(world_size))
     if device.type == "cpu":
+        off = huge_pages_off()
         log.info("cpu: compute threads %d; %s; %s", torch.get_num_threads(),
                  f"glibc malloc reuses freed blocks up to {MMAP_THRESHOLD_MAX >> 20} MiB"
                  if reuse_freed_host_memory() else "malloc thresholds left as they are",
-                 "tensors of 2 MiB and up on transparent huge pages" if huge_pages_for_tensors()
-                 else f"no transparent huge pages ({why_no_huge_pages()})")
+                 f"no transparent huge pages ({off})" if off else "tensors of 2 MiB and up on transparent huge pages")
     dtype = select_dtype(cfg, model_config, device)
     if hint := bfloat16_hint(cfg, model_config, device, cpu_flags()):
         log.info(hint)

@@ -231,7 +231,8 @@ def test_without_a_c_compiler_the_layer_ops_take_the_reference(monkeypatch, tmp_
     assert cpu_kernels._library("cpu_ops.c") is not None  # the real compiler builds (or finds) it again
 
 
-@pytest.mark.parametrize("intermediate_size", [172, 13, 8])  # stories260K, not a multiple of 8, one vector
+# stories260K; no multiple of 8; one 8- or 16-lane vector; 40 = two 16-lane vectors and a tail of 8
+@pytest.mark.parametrize("intermediate_size", [172, 13, 8, 16, 40])
 def test_silu_and_mul_equals_the_reference_to_float_rounding(intermediate_size):
     gen = torch.Generator().manual_seed(intermediate_size)
     x = torch.randn(23, 2 * intermediate_size, generator=gen) * 4

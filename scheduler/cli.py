@@ -61,7 +61,14 @@ def _float_in(lo: float, hi: float | None = None, lo_open: bool = False):
     return parse
 
 
-_HelpFormatter = argparse.ArgumentDefaultsHelpFormatter  # --help shows every default
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each flag's default, except None (the help says what happens then) and where the
+    help already says what the default is."""
+
+    def _get_help_string(self, action):
+        if action.default is None or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 class _Version(argparse.Action):

@@ -333,6 +333,10 @@ def test_help_shows_defaults(capsys):
     for flag in ("--block-size BLOCK_SIZE tokens per KV block (power of two, 1..256) (default: 16)",
                  "(default: 127.0.0.1)", "(default: 8000)", "(default: 0.9)", "(default: auto)"):
         assert flag in out
+    # never a default of None, nor a second default after the help's own
+    assert "(default: None)" not in out
+    assert "names the API answers to; the first is reported in responses (default: the checkpoint directory's name) " \
+        "--chat-template" in out
 
 
 def _bad_checkpoint(tmp_path: Path, stories260k: Path, kind: str) -> Path:

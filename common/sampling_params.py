@@ -102,8 +102,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
             finite(f"logit_bias.{token}", bias)
             if not -100 <= bias <= 100:
                 bad(f"logit_bias.{token}", f"must be between -100 and 100, got {bias}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            bad("seed", f"must be in [0, 2**63), got {self.seed}")
+        if self.seed is not None and not -2**63 <= self.seed < 2**63:  # any int64, as vLLM's API takes
+            bad("seed", f"must fit in int64 ([-2**63, 2**63)), got {self.seed}")
         if max_stop is not None and len(self.stop) > max_stop:
             bad("stop", f"at most {max_stop} stop strings (--max-stop), got {len(self.stop)}")
         if any(not s for s in self.stop):

@@ -250,7 +250,6 @@ BAD_REQUESTS = [
     ("over-long-prompt", {"prompt": [1] + [403] * 600}, "prompt"),
     ("prompt-plus-max-tokens-too-long", {"prompt": [1] + [403] * 500, "max_tokens": 20}, "max_tokens"),
     ("stream-options-without-stream", {"stream_options": {"include_usage": True}}, "stream_options"),
-    ("seed-negative", {"seed": -1}, "seed"),
     ("stop-token-outside-vocab", {"stop_token_ids": [9999]}, "stop_token_ids"),
     ("cache-salt-empty", {"cache_salt": ""}, "cache_salt"),
     ("group-larger-than-the-pool", {"n": 16, "max_tokens": 400, "ignore_eos": True}, "max_tokens"),

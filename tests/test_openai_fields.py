@@ -171,6 +171,8 @@ async def test_seed_and_n(client):
     b = await _complete(client, max_tokens=8, temperature=1.0, seed=7, n=2)
     assert [c.text for c in a.choices] == [c.text for c in b.choices]
     assert [c.index for c in a.choices] == [0, 1] and a.choices[0].text != a.choices[1].text
+    c, d = [await _complete(client, max_tokens=8, temperature=1.0, seed=-1, n=2) for _ in range(2)]  # any int64
+    assert [x.text for x in c.choices] == [x.text for x in d.choices] != [x.text for x in a.choices]
 
 
 async def test_penalties_change_the_greedy_text(client):

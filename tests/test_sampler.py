@@ -161,6 +161,8 @@ def test_seeded_noise_is_a_pure_function_of_seed_index_and_token():
     assert torch.equal(noise[2:3], seeded_exponential(seeds[2:3], index[2:3], 300))  # batch-independent
     assert len({tuple(r) for r in noise[:4].tolist()}) == 4  # seeds, halves of a seed and indices all count
     assert not torch.equal(seeded_exponential(torch.tensor([2**32]), torch.tensor([0]), 300)[0], noise[0])
+    signed = seeded_exponential(torch.tensor([-1, -(2**63), 2**63 - 1, -1]), torch.tensor([0, 0, 0, 0]), 300)
+    assert torch.equal(signed[0], signed[3]) and len({tuple(r) for r in signed[:3].tolist()}) == 3  # negatives too
     many = seeded_exponential(torch.arange(64), torch.zeros(64, dtype=torch.int64), 1000)
     assert abs(many.mean().item() - 1.0) < 0.02 and abs(many.var().item() - 1.0) < 0.05  # Exp(1)
 

@@ -62,9 +62,9 @@ def seeded_exponential(seeds: torch.Tensor, output_index: torch.Tensor, vocab: i
     every token id below ``vocab`` (an int), or ``[rows, k]`` at the token ids of an int64 ``[rows, k]``
     tensor (the same values those ids get in the full form).
 
-    seeds: ``[rows]`` int64 in [0, 2**63); output_index: ``[rows]`` int64 (the output token being drawn).
-    Each row's key hashes both 32-bit halves of the seed and the index; each token's uniform is the
-    hash of (key, token id) mapped to (0, 1). Batch-independent by construction.
+    seeds: ``[rows]`` int64, any; output_index: ``[rows]`` int64 (the output token being drawn).
+    Each row's key hashes both 32-bit halves of the seed (two's complement) and the index; each
+    token's uniform is the hash of (key, token id) mapped to (0, 1). Batch-independent by construction.
     """
     lo, hi = seeds & _M32, (seeds >> 32) & _M32
     key = _mix32(_mix32(lo ^ _mix32(hi ^ 0x5BD1E995)) ^ (output_index & _M32))

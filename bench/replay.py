@@ -463,6 +463,9 @@ def markdown_report(report: dict) -> str:
     for name, s in report["runs"].items():
         st = s.get("setup", {})
         lines.append(f"\n`{name}`: " + ", ".join(f"{k}={v}" for k, v in st.items()))
+        if s["num_errors"]:  # the row's figures count completed requests only
+            lines.append(f"\n**`{name}`: {s['num_errors']} of {s['num_requests']} requests failed**, left out of every "
+                         "figure above; first errors: " + "; ".join(f"`{e}`" for e in s["errors"]))
     if report.get("comparison"):
         c, reps = report["comparison"], report.get("comparison_repeats", [])
         lines += ["", "## paged vs contiguous (same trace, memory, model)", "",

@@ -345,6 +345,8 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, sock: socket.so
 
     def on_signal(sig: signal.Signals) -> None:
         signals.append(sig)
+        if len(signals) == 2:  # said once: a supervisor may keep signalling
+            log.warning("second signal: aborting the requests in flight", signal=sig.name)
         if len(signals) > 1:
             engine.abort_all()
         stop.set()

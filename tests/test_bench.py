@@ -14,7 +14,8 @@ from aiohttp.test_utils import TestServer
 
 from pagedkv.common.config import EngineConfig
 from pagedkv.scheduler.api import build_app
-from pagedkv.bench.replay import TraceRow, build_requests, load_trace, percentile, run_against_url, sse_data
+from pagedkv.bench.replay import (TraceRow, build_requests, load_trace, markdown_report, percentile, run_against_url,
+                                  sse_data)
 from pagedkv.bench.contiguous_allocator import ContiguousAllocator
 from pagedkv.bench.kv_accounting import account_kv, running_stats, summarize_kv
 from pagedkv.scheduler.cli import main
@@ -124,6 +125,11 @@ def test_bench_compares_allocators_and_the_accounting_adds_up(stories260k, tmp_p
     if plots:
         assert (tmp_path / "smoke-utilization.png").stat().st_size > 0
     assert "| paged |" in capsys.readouterr().out
+    # a run with failed requests says so under its table, whose figures count completed requests only
+    report["runs"]["paged"].update(num_errors=2, errors=["RuntimeError: HTTP 400: x", "TimeoutError: "])
+    assert ("**`paged`: 2 of 6 requests failed**, left out of every figure above; first errors: "
+            "`RuntimeError: HTTP 400: x`; `TimeoutError: `") in markdown_report(report)
+    assert "requests failed" not in markdown_report({**report, "runs": {"contiguous": report["runs"]["contiguous"]}})
 
 
 def test_sse_data_splits_events_across_reads_with_either_line_end():

@@ -209,3 +209,4 @@ def test_serve_logs_served_name_debug_steps_and_absorbs_signals_while_tearing_do
     assert [s["num_new_requests"] for s in steps] == [1] + [0] * 59 + [1]
     assert {s["level"] for s in steps} == {"debug"} and steps[-1]["running"] == 0
     assert [e["event"] for e in events].count("shutting down") == 1
+    assert [e["event"] for e in events].count("second signal: aborting the requests in flight") == 1

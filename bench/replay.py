@@ -28,6 +28,7 @@ import os
 import random
 import statistics
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -178,27 +179,30 @@ class RequestRecord:
 
 
 async def _replay(requests: list[BenchRequest], run_one, progress: bool, desc: str) -> tuple[list[RequestRecord], float]:
-    """Submit each request at its arrival time; returns the records and the run's start (loop time)."""
+    """Submit each request at its arrival time; returns the records and the run's start (`time.perf_counter`).
+
+    Times come from `time.perf_counter`, not the event loop's clock: uvloop's ``loop.time()`` counts
+    whole milliseconds and stands still within a loop pass, so chunks read in one pass had one time.
+    """
     from tqdm import tqdm
 
-    loop = asyncio.get_running_loop()
-    start = loop.time()
+    start = time.perf_counter()
     bar = tqdm(total=len(requests), desc=desc, unit="req", file=sys.stderr, disable=not progress, leave=False)
     records = [RequestRecord(r.index, r.prompt_len, r.max_tokens) for r in requests]
 
     async def one(req: BenchRequest, rec: RequestRecord):
-        rec.submit = loop.time() - start
+        rec.submit = time.perf_counter() - start
         try:
-            await run_one(req, rec, lambda: loop.time() - start)
+            await run_one(req, rec, lambda: time.perf_counter() - start)
         except Exception as e:  # a failed request is reported, not fatal to the run
             rec.error = f"{type(e).__name__}: {e}"
         if rec.finish is None:
-            rec.finish = loop.time() - start
+            rec.finish = time.perf_counter() - start
         bar.update(1)
 
     tasks = []
     for req, rec in zip(requests, records):
-        delay = start + req.arrival - loop.time()
+        delay = start + req.arrival - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(one(req, rec)))
@@ -212,8 +216,9 @@ def _latency_stats(values: list[float]) -> dict:
         "mean": sum(values) / len(values) if values else None}
 
 
-def summarize_run(records: list[RequestRecord], samples: list[KVSample], num_preemptions: int) -> dict:
-    """Throughput (requests/s, output tokens/s), TTFT/ITL/E2E percentiles (s), concurrency, KV accounting."""
+def summarize_run(records: list[RequestRecord], samples: list[KVSample], num_preemptions: int | None) -> dict:
+    """Throughput (requests/s, output tokens/s), TTFT/ITL/E2E percentiles (s), concurrency, KV accounting.
+    num_preemptions: None when unknown (a server that went away before it could be asked)."""
     ok = [r for r in records if r.error is None]
     t0 = min((r.submit for r in records), default=0.0)
     t1 = max((r.finish for r in records), default=0.0)
@@ -263,12 +268,11 @@ async def run_in_process(config, requests: list[BenchRequest], *, kv_allocator: 
     engine = await Engine.start(config, kv_allocator=ContiguousAllocator.factory(config.block_size)
                                 if kv_allocator == "contiguous" else None)
     try:
-        loop = asyncio.get_running_loop()
         samples: list[KVSample] = []
-        clock = {"start": loop.time()}
+        clock = {"start": time.perf_counter()}
 
         def sample(step):  # after the step's tokens are computed, before finished requests free
-            samples.append(sample_engine(engine, loop.time() - clock["start"], output_len))
+            samples.append(sample_engine(engine, time.perf_counter() - clock["start"], output_len))
 
         if account_kv_every_step:
             engine.step_hooks.append(sample)
@@ -336,7 +340,9 @@ async def run_against_url(url: str, requests: list[BenchRequest], vocab_size: in
     """Replay ``requests`` against a running ``pagedkv serve`` at ``url`` (streamed /v1/completions).
 
     KV accounting polls ``/kv_cache`` every ``poll_interval`` seconds; preemptions are read from
-    ``/metrics`` before and after. Raises aiohttp.ClientError when the server cannot be reached.
+    ``/metrics`` before and after. Raises ConnectionError when no server answers at ``url``, aiohttp.ClientError
+    when it fails before the replay; once the replay has begun, a server that goes away fails the requests
+    left (each an error in the report) and leaves the preemption count unknown (None).
     text_tokenizer: a (sentencepiece-style) tokenizer.json; prompts are sent as text instead, random
     whole-word tokens (a piece "\u2581" + letters) decoded, prompt_len - 1 of them (at least one), which
     the server encodes back to prompt_len tokens with its BOS; the lengths reported are the server's (usage).
@@ -352,8 +358,11 @@ async def run_against_url(url: str, requests: list[BenchRequest], vocab_size: in
     # connections and would queue the rest client-side, capping the server's concurrency)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
                                      connector=aiohttp.TCPConnector(limit=0)) as session:
-        async with session.get(f"{url}/v1/models") as r:
-            card = (await r.json())["data"][0]
+        try:
+            async with session.get(f"{url}/v1/models") as r:
+                card = (await r.json())["data"][0]
+        except aiohttp.ClientConnectorError as e:
+            raise ConnectionError(f"no server answers at --url {url}: {e.os_error}") from None
         model, max_model_len = card["id"], card.get("max_model_len")
         preemptions0 = await _preemptions(session, url) if pagedkv else 0
         rng = random.Random(seed)
@@ -365,14 +374,16 @@ async def run_against_url(url: str, requests: list[BenchRequest], vocab_size: in
             words = sorted(i for piece, i in tok.get_vocab().items() if piece.startswith("\u2581") and piece[1:].isalpha())
             prompts = [tok.decode([rng.choice(words) for _ in range(max(1, r.prompt_len - 1))]) for r in requests]
         samples: list[KVSample] = []
-        loop = asyncio.get_running_loop()
-        clock = {"start": loop.time()}
+        clock = {"start": time.perf_counter()}
 
         async def poll():
             while True:
-                async with session.get(f"{url}/kv_cache") as r:
-                    snap = await r.json()
-                samples.append(sample_snapshot(snap, loop.time() - clock["start"], max_model_len))
+                try:
+                    async with session.get(f"{url}/kv_cache") as r:
+                        snap = await r.json()
+                except aiohttp.ClientError:  # the server went away: the requests' records say so
+                    return
+                samples.append(sample_snapshot(snap, time.perf_counter() - clock["start"], max_model_len))
                 await asyncio.sleep(poll_interval)
 
         async def run_one(req: BenchRequest, rec: RequestRecord, now):
@@ -408,7 +419,13 @@ async def run_against_url(url: str, requests: list[BenchRequest], vocab_size: in
                 poller.cancel()
         for s in samples:
             s.t -= start - clock["start"]
-        summary = summarize_run(records, samples, (await _preemptions(session, url) - preemptions0) if pagedkv else 0)
+        preemptions = 0
+        if pagedkv:
+            try:
+                preemptions = await _preemptions(session, url) - preemptions0
+            except aiohttp.ClientError:  # the server went away: report what was measured, its count unknown
+                preemptions = None
+        summary = summarize_run(records, samples, preemptions)
         last = samples[-1] if samples else None
         summary["setup"] = {"url": url, "model": model, "max_model_len": max_model_len,
                             "pool_slots": last.pool if last else None}
@@ -444,7 +461,8 @@ def table_row(name: str, s: dict) -> str:
     kv = s["kv"]
     return (f"| {name} | {s['request_throughput']:.2f} | {s['output_token_throughput']:.1f} | {lat(s['ttft_s'])} "
             f"| {lat(s['itl_s'])} | {lat(s['e2e_s'])} | {s['peak_running']}/{s['mean_running']:.1f} "
-            f"| {s['num_preemptions']} | {_pct(kv['utilization'])} | {_pct(kv['reservation_frac'])} "
+            f"| {'-' if s['num_preemptions'] is None else s['num_preemptions']} | {_pct(kv['utilization'])} "
+            f"| {_pct(kv['reservation_frac'])} "
             f"| {_pct(kv['internal_frac'])} | {_pct(kv['external_frac_of_pool'])} |")
 
 
@@ -669,7 +687,8 @@ async def main(args: argparse.Namespace, config, max_model_len: int, vocab_size:
     requests, clipped = build_requests(rows, args.num_requests, max_model_len, scale, time_scale=args.time_scale,
                                        request_rate=args.request_rate, seed=args.seed,
                                        max_tokens_policy=args.max_tokens_policy)
-    arrivals = (f"Poisson {args.request_rate} req/s" if args.request_rate is not None
+    arrivals = ("all at once (--request-rate inf)" if args.request_rate == math.inf
+                else f"Poisson {args.request_rate} req/s" if args.request_rate is not None
                 else f"trace timestamps x{args.time_scale}")
     workload = {"trace": path.name, "num_requests": len(requests), "arrivals": arrivals, "token_scale": scale,
                 "token_scale_rule": rule, "num_clipped": clipped, "max_model_len": max_model_len,

@@ -4,7 +4,8 @@
   ``/v1/*`` and, unless admin keys are set, ``/kv_cache``.
 - ``--admin-api-key`` (repeatable; also ``PAGEDKV_ADMIN_API_KEY``): the only keys ``/kv_cache``
   accepts when set; they also work on ``/v1/*``.
-- ``/health`` and ``/metrics`` stay open (orchestrators and Prometheus probe them without keys).
+- ``/health`` and ``/metrics`` stay open (orchestrators and Prometheus probe them without keys), and
+  ``/kv_cache/ui``, a static page with no data (it asks for a key and sends it with its own requests).
 
 Tenant privacy: with ``--prefix-cache-isolation api-key`` (the default once keys are set) each key's
 requests hash their blocks with the key's fingerprint as a salt, so one tenant's prompt never hits

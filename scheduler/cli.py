@@ -584,7 +584,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "stream (vLLM's --stream-interval)")
     sec = serve.add_argument_group("access and limits")
     sec.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                     help="require `Authorization: Bearer KEY` on every route but /health and /metrics "
+                     help="require `Authorization: Bearer KEY` on every route but /health, /metrics and /kv_cache/ui "
                           "(repeatable; also PAGEDKV_API_KEY, comma-separated)")
     sec.add_argument("--admin-api-key", action="append", default=None, metavar="KEY",
                      help="the only keys /kv_cache accepts (repeatable; also PAGEDKV_ADMIN_API_KEY)")

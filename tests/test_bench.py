@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import random
 
 import pytest
 from aiohttp.test_utils import TestServer
@@ -15,7 +16,7 @@ from aiohttp.test_utils import TestServer
 from pagedkv.common.config import EngineConfig
 from pagedkv.scheduler.api import build_app
 from pagedkv.bench.replay import (TraceRow, build_requests, load_trace, markdown_report, percentile, run_against_url,
-                                  sse_data)
+                                  random_prompt, sse_data, table_row)
 from pagedkv.bench.contiguous_allocator import ContiguousAllocator
 from pagedkv.bench.kv_accounting import account_kv, running_stats, summarize_kv
 from pagedkv.scheduler.cli import main
@@ -177,6 +178,61 @@ async def test_text_prompts_reach_the_server_at_the_requested_token_lengths(stor
     assert run["prompt_tokens"] == 2 + 17 + 40 + 100
 
 
+async def test_a_server_that_goes_away_mid_run_still_gives_a_report(capsys):
+    """A stand-in server: even requests stream two tokens, odd ones lose their connection, and the
+    /metrics read after the replay finds no server. The run reports both halves and an unknown
+    preemption count; a --url where nothing listens is one clear line."""
+    from aiohttp import web
+
+    metrics_reads = []
+
+    async def models(request):
+        return web.json_response({"data": [{"id": "stand-in", "max_model_len": 512}]})
+
+    async def metrics(request):
+        metrics_reads.append(1)
+        if len(metrics_reads) > 1:  # gone by the end of the run
+            request.transport.close()
+        return web.Response(text="pagedkv:num_preemptions_total 0.0\n")
+
+    async def gone(request):
+        request.transport.close()
+        return web.Response()
+
+    async def completions(request):
+        body = await request.json()
+        if body["prompt"][1] % 2:  # the prompts are seeded: about half of them
+            request.transport.close()
+            return web.Response()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for _ in range(2):
+            await resp.write(b'data: {"choices": [{"text": "x"}]}\n\n')
+        await resp.write(b'data: {"choices": [], "usage": {"prompt_tokens": 8, "completion_tokens": 2}}\n\n'
+                         b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.add_routes([web.get("/v1/models", models), web.get("/metrics", metrics), web.get("/kv_cache", gone),
+                    web.post("/v1/completions", completions)])
+    server = TestServer(app, host="127.0.0.1", port=0)
+    await server.start_server()
+    try:
+        reqs, _ = build_requests([TraceRow(0.0, 8, 2)] * 8, 8, 512, 1.0, request_rate=math.inf)
+        run = await run_against_url(str(server.make_url("/")), reqs, 512, poll_interval=0.01, progress=False)
+        url = str(server.make_url("/"))
+    finally:
+        await server.close()
+    rng = random.Random(0)  # run_against_url's prompts (seed 0): which requests the server dropped
+    failed = sum(random_prompt(rng, 8, 512)[1] % 2 for _ in range(8))
+    assert 0 < failed < 8 and run["num_errors"] == failed and run["num_completed"] == 8 - failed
+    assert run["output_tokens"] == 2 * (8 - failed) and run["num_preemptions"] is None
+    assert all(e.startswith(("ClientOSError", "ServerDisconnectedError", "ClientPayloadError")) for e in run["errors"])
+    assert "| - |" in table_row("server", run)
+    with pytest.raises(ConnectionError, match=r"^no server answers at --url http://127\.0\.0\.1:\d+: "):
+        await run_against_url(url, reqs, 512, progress=False)
+
+
 @pytest.mark.parametrize("extra,flag", [(["--num-requests", "0"], "--num-requests"),
                                         (["--url-api", "transformers"], "--url-api"),
                                         (["--block-size-sweep", "8,12"], "--block-size-sweep"),
@@ -198,6 +254,7 @@ def test_asking_for_max_model_len_stops_at_the_real_length_and_still_adds_up(sto
     report = json.loads((tmp_path / "mml.json").read_text())
     w, run = report["workload"], report["runs"]["contiguous"]
     assert w["max_tokens_policy"] == "max-model-len" and w["mean_max_tokens"] > w["mean_output_len"]
+    assert w["arrivals"] == "all at once (--request-rate inf)"
     assert run["num_completed"] == 4 and run["output_tokens"] == round(4 * w["mean_output_len"])
     # each request reserves its whole context: at most 2 of 512 tokens fit in 1024 slots
     assert run["peak_running"] <= 2

@@ -175,6 +175,7 @@ class RequestRecord:
     token_times: list[float] = field(default_factory=list)
     finish: float | None = None
     output_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the server found in its prefix cache
     error: str | None = None
 
 
@@ -235,6 +236,7 @@ def summarize_run(records: list[RequestRecord], samples: list[KVSample], num_pre
         "errors": sorted({r.error for r in records if r.error})[:5],
         "duration_s": duration,
         "prompt_tokens": sum(r.prompt_len for r in ok),
+        "cached_prompt_tokens": sum(r.cached_tokens for r in ok),  # prefix-cache hits (usage.prompt_tokens_details)
         "output_tokens": out_tokens,
         "request_throughput": len(ok) / duration,
         "output_token_throughput": out_tokens / duration,
@@ -288,7 +290,7 @@ async def run_in_process(config, requests: list[BenchRequest], *, kv_allocator: 
                 async for out in stream:
                     t = now()
                     rec.token_times.extend(t for _ in out.token_ids)
-                    rec.output_tokens = out.num_output_tokens
+                    rec.output_tokens, rec.cached_tokens = out.num_output_tokens, out.num_cached_tokens
                     if out.finish_reason is not None or out.num_output_tokens >= req.output_len:
                         rec.finish = t  # done (or, asked for more, at its real length: stop, as on EOS)
                         if out.finish_reason == "error":
@@ -409,6 +411,7 @@ async def run_against_url(url: str, requests: list[BenchRequest], vocab_size: in
                         if chunk.usage:
                             rec.output_tokens = chunk.usage["completion_tokens"]
                             rec.prompt_len = chunk.usage.get("prompt_tokens", rec.prompt_len)
+                            rec.cached_tokens = (chunk.usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
             rec.finish = now()
 
         poller = asyncio.create_task(poll()) if pagedkv else None
@@ -451,18 +454,20 @@ def _pct(x: float | None) -> str:
 
 
 TABLE_HEADER = ("| run | req/s | out tok/s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | E2E p50/p90/p99 ms "
-                "| running peak/mean | preempt | token state | reservation | internal | external (of pool) |\n"
-                "| --- | ---: | ---: | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
+                "| running peak/mean | preempt | prefix hits | token state | reservation | internal | external (of pool) |\n"
+                "| --- | ---: | ---: | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
 
 
 def table_row(name: str, s: dict) -> str:
-    """One Markdown table row of a run summary (see TABLE_HEADER)."""
+    """One Markdown table row of a run summary (see TABLE_HEADER); prefix hits: the prompt tokens
+    served from the prefix cache, of all prompt tokens."""
     lat = lambda d: "/".join(_ms(d[f"p{p}"]) for p in (50, 90, 99))  # noqa: E731
     kv = s["kv"]
+    hits = s["cached_prompt_tokens"] / s["prompt_tokens"] if s["prompt_tokens"] else None
     return (f"| {name} | {s['request_throughput']:.2f} | {s['output_token_throughput']:.1f} | {lat(s['ttft_s'])} "
             f"| {lat(s['itl_s'])} | {lat(s['e2e_s'])} | {s['peak_running']}/{s['mean_running']:.1f} "
-            f"| {'-' if s['num_preemptions'] is None else s['num_preemptions']} | {_pct(kv['utilization'])} "
-            f"| {_pct(kv['reservation_frac'])} "
+            f"| {'-' if s['num_preemptions'] is None else s['num_preemptions']} | {_pct(hits)} "
+            f"| {_pct(kv['utilization'])} | {_pct(kv['reservation_frac'])} "
             f"| {_pct(kv['internal_frac'])} | {_pct(kv['external_frac_of_pool'])} |")
 
 

@@ -15,8 +15,8 @@ from aiohttp.test_utils import TestServer
 
 from pagedkv.common.config import EngineConfig
 from pagedkv.scheduler.api import build_app
-from pagedkv.bench.replay import (TraceRow, build_requests, load_trace, markdown_report, percentile, run_against_url,
-                                  random_prompt, sse_data, table_row)
+from pagedkv.bench.replay import (TABLE_HEADER, TraceRow, build_requests, load_trace, markdown_report, percentile,
+                                  random_prompt, run_against_url, sse_data, table_row)
 from pagedkv.bench.contiguous_allocator import ContiguousAllocator
 from pagedkv.bench.kv_accounting import account_kv, running_stats, summarize_kv
 from pagedkv.scheduler.cli import main
@@ -159,6 +159,25 @@ async def test_bench_against_a_server_polls_kv_cache(stories260k):
     assert run["samples"] and all(assert_identities(s) is None for s in run["samples"])
     # 4 reservations of 4 blocks (60 tokens) in a 32-block pool: everything fits, nothing waits long
     assert max(s["allocated"] for s in run["samples"]) <= 4 * 4 * 16
+
+
+async def test_a_second_replay_of_the_same_trace_shows_its_prefix_cache_hits(stories260k):
+    """The report's prefix hits (usage.prompt_tokens_details.cached_tokens): none on a fresh server; on
+    a second replay of the same prompts, every full block but one token's (2 of 40 tokens' 2.5 blocks)."""
+    engine = await Engine.start(EngineConfig(model=str(stories260k), num_gpu_blocks=64))
+    server = TestServer(build_app(engine), host="127.0.0.1", port=0)
+    await server.start_server()
+    try:
+        reqs, _ = build_requests([TraceRow(0.0, 40, 4)] * 4, 4, engine.max_model_len, 1.0, request_rate=math.inf)
+        runs = [await run_against_url(str(server.make_url("/")), reqs, engine.model_config.vocab_size,
+                                      progress=False) for _ in range(2)]
+    finally:
+        await server.close()
+        await engine.shutdown()
+    assert [r["prompt_tokens"] for r in runs] == [160, 160]
+    assert [r["cached_prompt_tokens"] for r in runs] == [0, 4 * 32]
+    hits = [table_row(name, r).split("|")[9].strip() for name, r in zip(("first", "second"), runs)]
+    assert hits == ["0.0%", "80.0%"] and TABLE_HEADER.split("|")[9].strip() == "prefix hits"
 
 
 async def test_text_prompts_reach_the_server_at_the_requested_token_lengths(stories260k):

@@ -429,6 +429,7 @@ async def run_against_url(url: str, requests: list[BenchRequest], vocab_size: in
             except aiohttp.ClientError:  # the server went away: report what was measured, its count unknown
                 preemptions = None
         summary = summarize_run(records, samples, preemptions)
+        summary["step_time_fit"] = None  # the samples are /kv_cache polls, not engine steps
         last = samples[-1] if samples else None
         summary["setup"] = {"url": url, "model": model, "max_model_len": max_model_len,
                             "pool_slots": last.pool if last else None}
@@ -454,7 +455,8 @@ def _pct(x: float | None) -> str:
 
 
 TABLE_HEADER = ("| run | req/s | out tok/s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | E2E p50/p90/p99 ms "
-                "| running peak/mean | preempt | prefix hits | token state | reservation | internal | external (of pool) |\n"
+                "| running peak/mean | preempt | prefix hits | token state | reservation | internal "
+                "| external (of pool) |\n"
                 "| --- | ---: | ---: | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
 
 
@@ -489,6 +491,9 @@ def markdown_report(report: dict) -> str:
         if s["num_errors"]:  # the row's figures count completed requests only
             lines.append(f"\n**`{name}`: {s['num_errors']} of {s['num_requests']} requests failed**, left out of every "
                          "figure above; first errors: " + "; ".join(f"`{e}`" for e in s["errors"]))
+        if s["num_preemptions"] is None:
+            lines.append(f"\n`{name}`: preemptions unknown (preempt `-`): the server's /metrics could not be read "
+                         "after the run")
     if report.get("comparison"):
         c, reps = report["comparison"], report.get("comparison_repeats", [])
         lines += ["", "## paged vs contiguous (same trace, memory, model)", "",
@@ -638,7 +643,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--url: send the random prompts as text (decoded with the model's tokenizer.json), as "
                         "--url-api transformers must; the server's prompt lengths are reported")
     g.add_argument("--output-dir", default="bench-results", metavar="DIR",
-                   help="where report.json, report.md and the PNG plots go")
+                   help="where NAME.json, NAME.md and the PNG plots go (NAME: --name)")
     g.add_argument("--name", default=None, help="file name prefix of the outputs (default: the trace name)")
     g.add_argument("--no-plots", action="store_true", help="skip the PNGs (matplotlib not needed)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")

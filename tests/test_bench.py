@@ -197,6 +197,11 @@ async def test_text_prompts_reach_the_server_at_the_requested_token_lengths(stor
     assert run["prompt_tokens"] == 2 + 17 + 40 + 100
 
 
+_WORKLOAD = {"trace": "stand-in", "num_requests": 8, "arrivals": "all at once (--request-rate inf)", "token_scale": 1.0,
+             "token_scale_rule": "none", "num_clipped": 0, "max_model_len": 512, "mean_prompt_len": 8.0,
+             "mean_output_len": 2.0, "mean_max_tokens": 2.0, "max_tokens_policy": "trace"}
+
+
 async def test_a_server_that_goes_away_mid_run_still_gives_a_report(capsys):
     """A stand-in server: even requests stream two tokens, odd ones lose their connection, and the
     /metrics read after the replay finds no server. The run reports both halves and an unknown
@@ -247,7 +252,8 @@ async def test_a_server_that_goes_away_mid_run_still_gives_a_report(capsys):
     assert 0 < failed < 8 and run["num_errors"] == failed and run["num_completed"] == 8 - failed
     assert run["output_tokens"] == 2 * (8 - failed) and run["num_preemptions"] is None
     assert all(e.startswith(("ClientOSError", "ServerDisconnectedError", "ClientPayloadError")) for e in run["errors"])
-    assert "| - |" in table_row("server", run)
+    assert "| - |" in table_row("server", run) and run["step_time_fit"] is None  # polls are not engine steps
+    assert "preemptions unknown" in markdown_report({"workload": _WORKLOAD, "runs": {"server": run}})
     with pytest.raises(ConnectionError, match=r"^no server answers at --url http://127\.0\.0\.1:\d+: "):
         await run_against_url(url, reqs, 512, progress=False)
 

@@ -7,7 +7,7 @@ import torch
 
 from pagedkv.common.sampling_params import SamplingParams
 from pagedkv.worker.sampler import (CANDIDATES, Sampler, SamplingBatch, apply_penalties, argmax, seeded_exponential,
-                                    truncated_candidates, truncated_probs, truncated_weights)
+                                    truncated_candidates, truncated_weights)
 
 CPU = torch.device("cpu")
 LOGITS = torch.tensor([[1.0, 3.0, -2.0, 2.5, 0.0, -1.0]])
@@ -16,6 +16,12 @@ LOGITS = torch.tensor([[1.0, 3.0, -2.0, 2.5, 0.0, -1.0]])
 def batch(logits, params, prompts=None, outputs=None):
     n = len(params)
     return SamplingBatch.from_params(params, prompts or [[]] * n, outputs or [[]] * n, logits.shape[1], CPU)
+
+
+def truncated_probs(logits, batch):
+    """The distribution the sampler draws from: `truncated_weights` normalised."""
+    weights = truncated_weights(logits, batch)
+    return weights / weights.sum(dim=-1, keepdim=True)
 
 
 def sample(logits, params, prompts=None, outputs=None, seed=0):

@@ -19,7 +19,7 @@ import torch
 
 from pagedkv.common.protocol import NewRequestData
 from pagedkv.common.sampling_params import MIN_TEMPERATURE, SamplingParams
-from pagedkv.worker.sampler import CANDIDATES, SamplingBatch, bias_and_bans
+from pagedkv.worker.sampler import SamplingBatch, all_truncated, bias_and_bans
 
 # (name, dtype, neutral value) of the per-row sampling knobs kept on the host.
 _KNOBS = (("temperature", np.float32, 1.0), ("top_k", np.int64, -1), ("top_p", np.float32, 1.0),
@@ -243,8 +243,7 @@ class InputBatch:
             any_unseeded=bool((~seeded & ~greedy).any()),
             any_top_k_top_p=bool((((top_k > 0) | (top_p < 1)) & ~greedy).any()),
             any_min_p=bool(((self.min_p[rows] > 0) & ~greedy).any()),
-            all_truncated=bool((greedy | ((top_k > 0) & (top_k <= CANDIDATES)) | (top_p < 1)
-                                | (self.min_p[rows] > 0)).all()),
+            all_truncated=all_truncated(greedy, top_k, top_p, self.min_p[rows]),
             bias=edits[0], banned=edits[1])
 
     def record_sampled(self, rows: np.ndarray, tokens: np.ndarray) -> None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagedkv.common.sampling_params import MIN_TEMPERATURE, SamplingParams
@@ -149,8 +150,15 @@ class SamplingBatch:
                    all(p.greedy for p in params), any(not p.greedy and p.seed is not None for p in params),
                    any(not p.greedy and p.seed is None for p in params),
                    any(p.top_k > 0 or p.top_p < 1 for p in params), any(p.min_p > 0 for p in params),
-                   all(p.greedy or 0 < p.top_k <= CANDIDATES or p.top_p < 1 or p.min_p > 0 for p in params),
+                   all_truncated(*(np.array([getattr(p, knob) for p in params])
+                                   for knob in ("greedy", "top_k", "top_p", "min_p"))),
                    *bias_and_bans(list(range(rows)), params, [len(o) for o in output_ids], list(eos_token_ids), device))
+
+
+def all_truncated(greedy: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray) -> bool:
+    """`SamplingBatch.all_truncated` of rows with these knobs (``[rows]`` host arrays; greedy bool): every
+    row that draws has a top_k of 1 to `CANDIDATES`, a top_p below 1 or a min_p."""
+    return bool((greedy | ((top_k > 0) & (top_k <= CANDIDATES)) | (top_p < 1) | (min_p > 0)).all())
 
 
 @dataclass
@@ -296,13 +304,6 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
     penalised = torch.where(logits > 0, logits / rep, logits * rep)
     logits.copy_(torch.where(seen, penalised, logits))
     logits -= batch.frequency_penalty[:, None] * counts + batch.presence_penalty[:, None] * (counts > 0)
-
-
-def truncated_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Probabilities ``[rows, vocab]`` float32 after temperature, top-k, top-p and min-p: `truncated_weights`
-    normalised (the sampler draws with the weights; this is their distribution)."""
-    weights = truncated_weights(logits, batch)
-    return weights / weights.sum(dim=-1, keepdim=True)
 
 
 def truncated_weights(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -417,22 +417,58 @@ static inline __attribute__((always_inline)) void transpose8(const f32x8 x[8], f
 #undef PICK
 }
 
+/* Keys per vector in attend_tile8: two in a 512-bit vector (lane 8j + h: key j of the two, head h),
+ * else one. fold8 adds a vector's keys' lanes (per head), fold8_max takes their maximum, spread8
+ * repeats eight lanes for each key, keep_keys sets the lanes of the keys past the first `keep` to
+ * `value`. With one key a vector each is the identity. */
+enum { KPV = WIDE / 8 };
+#if WIDE == 16
+#define LOW8(x) __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7)
+#define HIGH8(x) __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15)
+static inline __attribute__((always_inline)) f32x8 fold8(f32xw x) { return LOW8(x) + HIGH8(x); }
+static inline __attribute__((always_inline)) f32x8 fold8_max(f32xw x) { return max8(LOW8(x), HIGH8(x)); }
+#undef LOW8
+#undef HIGH8
+static inline __attribute__((always_inline)) f32xw spread8(f32x8 x) {
+    return __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
+}
+static inline __attribute__((always_inline)) f32xw keep_keys(f32xw x, int keep, float value) {
+    if (keep < 2) x = __builtin_shufflevector(x, (f32xw){0} + value, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    return x;
+}
+#else
+static inline __attribute__((always_inline)) f32x8 fold8(f32xw x) { return x; }
+static inline __attribute__((always_inline)) f32x8 fold8_max(f32xw x) { return x; }
+static inline __attribute__((always_inline)) f32xw spread8(f32x8 x) { return x; }
+static inline __attribute__((always_inline)) f32xw keep_keys(f32xw x, int keep, float value) {
+    (void)keep, (void)value;
+    return x;
+}
+#endif
+
 /* Several consecutive new tokens of one sequence at head_dim 8 (prefill, extend), eight heads per
  * pass with one head per vector lane (num_heads a multiple of 8): attend_heads8's layout in
  * attend_tile's loop (online softmax over chunks of CHUNK keys, each K/V row loaded once per tile).
  * At this size attend_tile spends most of its time around its few multiply-adds: a broadcast per
  * (row, key) for V, 32 exps per (row, chunk) whatever the keys the row sees, the masking of the
  * rest, scalar transposes of K. Here queries, a chunk's K and V and the accumulators are held
- * transposed, vector d = dimension d of the eight heads, so one (query, key) costs 8 multiply-adds
- * for the eight heads' scores, one exp8 for their weights and 8 multiply-adds into their outputs:
- * no horizontal sum, no broadcast, no mask (each query stops at its own last key). K and V are
- * transposed once per key per tile (24 shuffles a row), queries and outputs once per query.
+ * transposed, vector d = dimension d of the eight heads (of KPV keys side by side: two in a 512-bit
+ * vector), so KPV (query, key) pairs cost 8 multiply-adds for the eight heads' scores, one exp for
+ * their weights and 8 multiply-adds into their outputs: no horizontal sum, no broadcast, no mask
+ * (each query stops at its own last key; a lone last key of a pair has its partner's weight zeroed).
+ * With two keys a vector the accumulators hold each half's sum, added at the tile's end; the chunk's
+ * maximum is taken over both halves. K and V are transposed once per key per tile (24 shuffles a
+ * row), queries and outputs once per query.
  * Measured against attend_tile (one thread, this 2-core AVX VM, shared): 2.0x at 19 prompts x 108
  * tokens (stories260K's 8/4/8 heads/KV heads/head_dim: 1.0 against 2.0 ms a layer), 1.7x at
- * 1 x 2,048 and at 19 x 108 with 16/2/8.
- * Scratch, as f32x8: q and acc [TILE_Q][8] (vector d of a query; acc: sum of weights times V),
- * m and l [TILE_Q] (running max of the scores, sum of the weights), kt and v [CHUNK][8] (a key's
- * vectors d), s [CHUNK] (one query's scores in the chunk, then weights).
+ * 1 x 2,048 and at 19 x 108 with 16/2/8. Two keys a 512-bit vector against one (the same source built
+ * with -mno-avx512f), on the five layers' inputs of a stories260K prefill step captured from the model
+ * (`ops/bench_cpu_attention.py --model`: 25 conv-trace prompts, 2,283 tokens), CPU ms: 7.4-7.6 against
+ * 9.0-9.9 on random tokens, 7.5-7.7 against 9.0-9.9 on story text (3 alternations).
+ * Scratch: q and acc [TILE_Q][8] f32xw (vector d of a query, repeated for each key of a vector; acc:
+ * sum of weights times V), m and l [TILE_Q] f32x8 (running max of the scores, sum of the weights),
+ * kt and v [CHUNK / KPV][8] f32xw (a key pair's vectors d), s [CHUNK / KPV] f32xw (one query's
+ * scores in the chunk, then weights).
  * q, out: [num_queries, num_heads, 8] at the tile's first query; query i sees first_len + i keys. */
 static void attend_tile8(
         const float *restrict q, int num_queries, int64_t first_len, const void *k_cache, const void *v_cache,
@@ -441,17 +477,18 @@ static void attend_tile8(
     const int64_t token_stride = (int64_t)num_kv_heads * 8;
     const int num_heads = num_kv_heads * group;
     const int64_t kv_len = first_len + num_queries - 1;  /* keys the tile's last query sees */
-    f32x8 (*restrict qt)[8] = (f32x8 (*)[8])sc->q, (*restrict acc)[8] = (f32x8 (*)[8])sc->acc;
-    f32x8 (*restrict kt)[8] = (f32x8 (*)[8])sc->kt, (*restrict vt)[8] = (f32x8 (*)[8])sc->v;
-    f32x8 *restrict m = (f32x8 *)sc->m, *restrict l = (f32x8 *)sc->l, *restrict s = (f32x8 *)sc->s;
+    f32xw (*restrict qt)[8] = (f32xw (*)[8])sc->q, (*restrict acc)[8] = (f32xw (*)[8])sc->acc;
+    f32xw (*restrict kt)[8] = (f32xw (*)[8])sc->kt, (*restrict vt)[8] = (f32xw (*)[8])sc->v;
+    f32x8 *restrict m = (f32x8 *)sc->m, *restrict l = (f32x8 *)sc->l;
+    f32xw *restrict s = (f32xw *)sc->s;
     for (int h0 = 0; h0 < num_heads; h0 += 8) {
         int at[8];  /* lane i's K/V offset within a slot's row: its KV head's */
         for (int i = 0; i < 8; i++) at[i] = (h0 + i) / group * 8;
         for (int i = 0; i < num_queries; i++) {
-            f32x8 x[8];
+            f32x8 x[8], y[8];
             for (int h = 0; h < 8; h++) x[h] = *(const f32x8 *)(q + ((int64_t)i * num_heads + h0 + h) * 8) * qk_scale;
-            transpose8(x, qt[i]);
-            for (int d = 0; d < 8; d++) acc[i][d] = (f32x8){0};
+            transpose8(x, y);
+            for (int d = 0; d < 8; d++) qt[i][d] = spread8(y[d]), acc[i][d] = (f32xw){0};
             m[i] = (f32x8){-1e30f, -1e30f, -1e30f, -1e30f, -1e30f, -1e30f, -1e30f, -1e30f};
             l[i] = (f32x8){0};
         }
@@ -462,47 +499,55 @@ static void attend_tile8(
             for (int c = 0; c < n; c++, offset++) {
                 if (offset == block_size) block++, offset = 0;
                 const int64_t index = ((int64_t)table[block] * block_size + offset) * token_stride;
-                f32x8 x[8];
+                f32x8 x[8], y[8];
+                float *kc = (float *)kt[c / KPV] + c % KPV * 8, *vc = (float *)vt[c / KPV] + c % KPV * 8;
                 const float *k = kv_row(kind, k_cache, index, (int)token_stride, lut, sc->row);
                 for (int h = 0; h < 8; h++) x[h] = *(const f32x8 *)(k + at[h]);
-                transpose8(x, kt[c]);
+                transpose8(x, y);
+                for (int d = 0; d < 8; d++) *(f32x8 *)(kc + d * WIDE) = y[d];
                 const float *v = kv_row(kind, v_cache, index, (int)token_stride, lut, sc->row);
                 for (int h = 0; h < 8; h++) x[h] = *(const f32x8 *)(v + at[h]);
-                transpose8(x, vt[c]);
+                transpose8(x, y);
+                for (int d = 0; d < 8; d++) *(f32x8 *)(vc + d * WIDE) = y[d];
             }
             for (int i = c0 < first_len ? 0 : (int)(c0 - first_len + 1); i < num_queries; i++) {
                 const int nv = first_len + i - c0 < n ? (int)(first_len + i - c0) : n;  /* keys of the chunk i sees */
-                const f32x8 *restrict qi = qt[i];
-                const f32x8 q0 = qi[0], q1 = qi[1], q2 = qi[2], q3 = qi[3];
-                const f32x8 q4 = qi[4], q5 = qi[5], q6 = qi[6], q7 = qi[7];
-                f32x8 mx = m[i];
-                for (int c = 0; c < nv; c++) {  /* a tree of sums: four products in flight, not a chain of eight */
-                    const f32x8 *k = kt[c];
-                    s[c] = ((q0 * k[0] + q1 * k[1]) + (q2 * k[2] + q3 * k[3]))
-                         + ((q4 * k[4] + q5 * k[5]) + (q6 * k[6] + q7 * k[7]));
-                    mx = max8(mx, s[c]);
+                const int ng = (nv + KPV - 1) / KPV, last = nv - (ng - 1) * KPV;  /* vectors; keys in the last */
+                const f32xw *restrict qi = qt[i];
+                const f32xw q0 = qi[0], q1 = qi[1], q2 = qi[2], q3 = qi[3];
+                const f32xw q4 = qi[4], q5 = qi[5], q6 = qi[6], q7 = qi[7];
+                f32xw mx = spread8(m[i]);
+                for (int g = 0; g < ng; g++) {  /* a tree of sums: four products in flight, not a chain of eight */
+                    const f32xw *k = kt[g];
+                    const f32xw sg = ((q0 * k[0] + q1 * k[1]) + (q2 * k[2] + q3 * k[3]))
+                                   + ((q4 * k[4] + q5 * k[5]) + (q6 * k[6] + q7 * k[7]));
+                    s[g] = g + 1 < ng ? sg : keep_keys(sg, last, -1e30f);  /* a key past nv weighs nothing */
+                    mx = maxw(mx, s[g]);
                 }
-                const f32x8 alpha = exp8(m[i] - mx);  /* rescales what the old max weighed */
-                f32x8 *restrict a = acc[i], sum = {0};
-                f32x8 a0 = a[0] * alpha, a1 = a[1] * alpha, a2 = a[2] * alpha, a3 = a[3] * alpha;
-                f32x8 a4 = a[4] * alpha, a5 = a[5] * alpha, a6 = a[6] * alpha, a7 = a[7] * alpha;
-                for (int c = 0; c < nv; c++) {  /* the weights first: exp8's constants stay in registers */
-                    s[c] = exp8(s[c] - mx);
-                    sum += s[c];
+                const f32x8 mx8 = fold8_max(mx), alpha = exp8(m[i] - mx8);  /* alpha rescales what the old max weighed */
+                const f32xw mxw = spread8(mx8), alphaw = spread8(alpha);
+                f32xw *restrict a = acc[i], sum = {0};
+                f32xw a0 = a[0] * alphaw, a1 = a[1] * alphaw, a2 = a[2] * alphaw, a3 = a[3] * alphaw;
+                f32xw a4 = a[4] * alphaw, a5 = a[5] * alphaw, a6 = a[6] * alphaw, a7 = a[7] * alphaw;
+                for (int g = 0; g < ng; g++) {  /* the weights first: the exp's constants stay in registers */
+                    const f32xw p = expw(s[g] - mxw);
+                    s[g] = g + 1 < ng ? p : keep_keys(p, last, 0.0f);
+                    sum += s[g];
                 }
-                for (int c = 0; c < nv; c++) {
-                    const f32x8 p = s[c], *v = vt[c];
+                for (int g = 0; g < ng; g++) {
+                    const f32xw p = s[g], *v = vt[g];
                     a0 += p * v[0], a1 += p * v[1], a2 += p * v[2], a3 += p * v[3];
                     a4 += p * v[4], a5 += p * v[5], a6 += p * v[6], a7 += p * v[7];
                 }
                 a[0] = a0, a[1] = a1, a[2] = a2, a[3] = a3, a[4] = a4, a[5] = a5, a[6] = a6, a[7] = a7;
-                m[i] = mx;
-                l[i] = l[i] * alpha + sum;
+                m[i] = mx8;
+                l[i] = l[i] * alpha + fold8(sum);
             }
         }
         for (int i = 0; i < num_queries; i++) {
-            f32x8 y[8];
-            transpose8(acc[i], y);
+            f32x8 x[8], y[8];
+            for (int d = 0; d < 8; d++) x[d] = fold8(acc[i][d]);
+            transpose8(x, y);
             const f32x8 inv = v_scale / l[i];
             for (int h = 0; h < 8; h++) *(f32x8 *)(out + ((int64_t)i * num_heads + h0 + h) * 8) = y[h] * inv[h];
         }
@@ -579,8 +624,34 @@ ATTEND_TOKENS(attend_tokens_128, 128)
 ATTEND_TOKENS(attend_tokens_any, w->head_dim)
 #undef ATTEND_TOKENS
 
+/* Subnormal floats flushed to zero, in and out (x86's MXCSR FTZ and DAZ bits), for the calling
+ * thread until restore_subnormals: a trained model's scores in a row can lie more than 87 apart, so
+ * weights e^(s - max) and their products fall below float32's normal range (1.2e-38), and on x86
+ * each such result takes a slow microcode assist. What they would have added is below 1e-38 of the
+ * row's largest weight. On stories260K prefill inputs captured from the model, the kernel took 2-4%
+ * less time with it on random-token and story-text prompts, 15% on bench_worker_breakdown's
+ * synthetic ones (ids 7j + i). A no-op on other architectures. Returns the state to restore. */
+static inline unsigned flush_subnormals(void) {
+#if defined(__SSE__)
+    const unsigned csr = __builtin_ia32_stmxcsr();
+    __builtin_ia32_ldmxcsr(csr | 0x8040);  /* FTZ (bit 15), DAZ (bit 6) */
+    return csr;
+#else
+    return 0;
+#endif
+}
+
+static inline void restore_subnormals(unsigned csr) {
+#if defined(__SSE__)
+    __builtin_ia32_ldmxcsr(csr);
+#else
+    (void)csr;
+#endif
+}
+
 static void *run(void *arg) {
     Work *w = arg;
+    const unsigned csr = flush_subnormals();
     const int head_dim = w->head_dim;
     const size_t rows = (size_t)TILE_Q * (w->num_heads / w->num_kv_heads);
     float *scores = malloc(sizeof(float) * (size_t)w->num_heads * (size_t)(w->max_seq_len > 0 ? w->max_seq_len : 1));
@@ -588,7 +659,7 @@ static void *run(void *arg) {
     /* the tile paths' arrays (floats), carved from one zeroed allocation; attend_tile8 keeps eight
      * floats (one per head of a pass) per query where attend_tile keeps one per row, and a chunk's
      * K/V for eight heads. Every size is a multiple of 16 floats: each array starts on a cache line. */
-    const size_t lanes = head_dim == 8 ? 8 : 1, per_query = rows > TILE_Q * lanes ? rows : TILE_Q * lanes;
+    const size_t lanes = head_dim == 8 ? WIDE : 1, per_query = rows > TILE_Q * lanes ? rows : TILE_Q * lanes;
     const size_t nq = per_query * head_dim, nm = per_query, nkv = (size_t)CHUNK * head_dim * lanes;
     const size_t bytes = sizeof(float) * (2 * nq + 2 * nm + 2 * nkv + rows * CHUNK);
     float *tile = aligned_alloc(64, (bytes + 63) / 64 * 64);
@@ -632,6 +703,7 @@ static void *run(void *arg) {
         }
     }
     free(scores); free(row); free(tile);
+    restore_subnormals(csr);
     return NULL;
 }
 

@@ -48,9 +48,10 @@ __all__ = ["paged_attention", "write_kv_cache", "copy_blocks", "swap_blocks", "r
 # keyed by the CPU (below). For the attention, -ffast-math's parts let the compiler reassociate the
 # dot products and fuse multiply-adds (results differ from the oracle by float rounding only, tested
 # to 1e-5); not the flag itself, which links crtfastmath.o: loading the library switched on
-# flush-to-zero in the loading thread for good, PyTorch's float32 included (the kernel is no faster
-# with it). cpu_ops.c is built without them, and without contraction into fused multiply-adds
-# (Clang's default), so that its results round as PyTorch's do.
+# flush-to-zero in the loading thread for good, PyTorch's float32 included. The kernel flushes
+# subnormals itself, only while it runs (cpu_attention.c's flush_subnormals). cpu_ops.c is built
+# without them, and without contraction into fused multiply-adds (Clang's default), so that its
+# results round as PyTorch's do.
 _FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=c11", "-pthread"]
 _SOURCE_FLAGS = {"cpu_attention.c": ["-fassociative-math", "-freciprocal-math", "-fno-signed-zeros",
                                      "-fno-trapping-math", "-ffinite-math-only", "-fno-math-errno",

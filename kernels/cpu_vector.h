@@ -29,8 +29,12 @@ static inline __attribute__((always_inline)) f32x8 max8(f32x8 a, f32x8 b) {
 }
 
 static inline __attribute__((always_inline)) f32xw maxw(f32xw a, f32xw b) {
+#if WIDE == 8
+    return max8(a, b);  /* one vmaxps, where the compare and select take four AVX instructions */
+#else
     const i32xw greater = a > b;
     return (f32xw)(((i32xw)a & greater) | ((i32xw)b & ~greater));
+#endif
 }
 
 /* e^x for x <= 0, lane-wise: 2^n e^f with n the integer nearest x log2(e) (truncating t - 0.5

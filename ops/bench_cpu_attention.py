@@ -9,7 +9,14 @@ Prefill: whole prompts (sequences x prompt tokens) through the C kernel (forced,
 ``FUSED_MAX_QUERY_LEN``) against the batched path: where the crossover lies that sets that bound.
 On a shared machine only the ratios mean much.
 
-    python ops/bench_cpu_attention.py [--repeats 5] [--threads 1]
+With ``--model PATH`` it also times the C kernel on a real model's attention inputs: every layer's
+call in one prefill step of 25 prompts (the lengths of the Azure conv trace's first 25, scaled to
+stories260K's 512-token context), captured from the model's forward, once with random token ids and
+once with story text (through the model's tokenizer.json). Random Gaussian inputs understate what
+real attention costs: a trained model's scores spread far wider, and the kernel's speed on those
+depended on how it handles subnormal floats (`cpu_attention.c`'s flush_subnormals).
+
+    python ops/bench_cpu_attention.py [--repeats 5] [--threads 1] [--model ../shared/models/stories260K]
 """
 
 from __future__ import annotations
@@ -27,6 +34,13 @@ SHAPES = [(256, 112, 8, 4, 8), (64, 1024, 32, 8, 64), (16, 4096, 32, 8, 128)]
 # prefill: whole prompts of `context` tokens; 19 x 108 is a stories260K prefill step of the conv trace
 PREFILL = [(8, 128, 32, 8, 128), (1, 512, 32, 8, 128), (1, 1024, 32, 8, 64), (1, 2048, 32, 8, 128), (1, 2048, 8, 4, 8),
            (19, 108, 8, 4, 8)]
+# --model: the conv trace's first 25 prompt lengths at pagedkv bench's token scale for a 512-token context
+CAPTURED_PROMPTS = [45, 48, 106, 11, 11, 46, 158, 47, 29, 25, 47, 47, 158, 267, 47, 50, 14, 44, 25, 163, 24, 22, 47,
+                    491, 311]
+STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park. One day, "
+         "she saw a big red ball. She ran to the ball and kicked it. The ball went very high. Lily was happy. Her "
+         "mom said, \"Lily, it is time to go home.\" They walked home together. The sun was shining and the birds "
+         "were singing. Tom had a dog named Max. Max liked to run and jump. One day Max found a bone. ")
 
 
 def inputs(num_seqs, context, num_heads, num_kv_heads, head_dim, block_size=16, prefill=False):
@@ -55,6 +69,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--model", help="also time the kernel on this checkpoint's captured prefill inputs")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     assert cpu_kernels.fused_available(), "the C kernel did not build (is a C compiler installed?)"
@@ -67,6 +82,70 @@ def main() -> None:
             print("prefill (whole prompts; C forced for every length)")
         for num_seqs, context, heads, kv_heads, dim in shapes:
             measure(num_seqs, context, heads, kv_heads, dim, prefill, args.repeats)
+    if args.model:
+        print(f"captured from {args.model}: one prefill step, {len(CAPTURED_PROMPTS)} prompts, "
+              f"{sum(CAPTURED_PROMPTS)} tokens; C kernel CPU ms for all layers' calls, median of {args.repeats}")
+        for kind, calls in captured_inputs(args.model).items():
+            ms = statistics.median(captured_ms(calls) for _ in range(args.repeats))
+            print(f"{kind:>28} {ms:9.2f}")
+
+
+def captured_inputs(model: str) -> dict[str, list]:
+    """Each layer's paged_attention arguments in one prefill step of `CAPTURED_PROMPTS` on ``model``,
+    per prompt kind ("random tokens", and "story text" where the checkpoint has a tokenizer.json)."""
+    import os
+    import random
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_worker_breakdown import _runner
+
+    from pagedkv.common.protocol import NewRequestData, StepPlan
+    from pagedkv.common.sampling_params import SamplingParams
+
+    per = -(-max(CAPTURED_PROMPTS) // 16)
+    runner, mc = _runner(model, None, len(CAPTURED_PROMPTS) * per + 1, len(CAPTURED_PROMPTS))
+    rng = random.Random(0)
+    streams = {"random tokens": [rng.randrange(mc.vocab_size) for _ in range(2 * max(CAPTURED_PROMPTS))]}
+    if os.path.exists(os.path.join(model, "tokenizer.json")):
+        from tokenizers import Tokenizer
+
+        ids = Tokenizer.from_file(os.path.join(model, "tokenizer.json")).encode(STORY * 8).ids
+        streams["story text"] = ids if len(ids) >= 2 * max(CAPTURED_PROMPTS) else ids * 4
+    calls: list = []
+    fused = cpu_kernels.paged_attention
+
+    def capture(*a, **k):
+        calls.append(([x.clone() if isinstance(x, torch.Tensor) else x for x in a], k))
+        return fused(*a, **k)
+
+    captured = {}
+    cpu_kernels.paged_attention = capture
+    try:
+        for step, (kind, ids) in enumerate(streams.items()):
+            calls = []
+            news = [NewRequestData(f"r{step}-{i}", ids[7 * i:7 * i + n], n, list(range(i * per, i * per + -(-n // 16))),
+                                   0, n, SamplingParams(temperature=0.0, max_tokens=1))
+                    for i, n in enumerate(CAPTURED_PROMPTS)]
+            result = runner.execute(StepPlan(step, new_requests=news,
+                                             finished_request_ids=[f"r{step - 1}-{i}" for i in range(len(news))]
+                                             if step else []))
+            assert result.error is None, result.error
+            captured[kind] = calls
+    finally:
+        cpu_kernels.paged_attention = fused
+    return captured
+
+
+def captured_ms(calls: list, iters: int = 10) -> float:
+    """CPU ms of the calling thread for one pass over ``calls`` (the C kernel), mean of ``iters``."""
+    for a, k in calls:
+        cpu_kernels.paged_attention(*a, **k)
+    start = time.thread_time()
+    for _ in range(iters):
+        for a, k in calls:
+            cpu_kernels.paged_attention(*a, **k)
+    return 1000 * (time.thread_time() - start) / iters
 
 
 def measure(num_seqs, context, heads, kv_heads, dim, prefill, repeats):

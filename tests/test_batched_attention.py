@@ -7,7 +7,12 @@ chunks batched) are held to it.
 
 from __future__ import annotations
 
+import os
+import platform
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -278,3 +283,49 @@ def test_a_long_prompt_does_not_pad_the_short_ones_of_its_step():
     args = make_batch(lens, lens, num_heads=8, num_kv_heads=4, head_dim=8, block_size=16, dtype=torch.float32, seed=13)
     torch.testing.assert_close(reference.batched_paged_attention(*args), reference.paged_attention(*args),
                                atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("head_dim, num_heads, num_kv_heads", [(8, 8, 4), (64, 4, 2)])
+def test_fused_kernel_on_scores_wider_than_float32s_range_equals_the_oracle(head_dim, num_heads, num_kv_heads):
+    # queries 30x larger: scores over a hundred apart, as a trained model's are, so many weights and
+    # their products fall below float32's normal range (e^-87), which the kernel flushes to zero
+    q_lens, seq_lens = [1, 1, 37, 5], [300, 17, 37, 90]
+    q, *rest = make_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, 16, torch.float32, seed=head_dim)
+    q = q * 30
+    expected = reference.paged_attention(q, *rest)
+    got = cpu_kernels.paged_attention(q, *rest, out=torch.full_like(q, float("nan")))
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_kernel_leaves_the_callers_subnormals_as_they_are(threads):
+    """The kernel flushes subnormals only while it runs: PyTorch's float32 in the calling thread keeps them."""
+    args = make_batch([1, 40], [120, 40], num_heads=8, num_kv_heads=4, head_dim=8, block_size=16,
+                      dtype=torch.float32, seed=16)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        cpu_kernels.paged_attention(*args)
+    finally:
+        torch.set_num_threads(previous)
+    assert (torch.tensor([1e-40]) * 0.5).item() == pytest.approx(5e-41, rel=1e-3)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="-mno-avx512f is an x86 compiler flag")
+def test_kernels_built_for_a_cpu_without_avx512_equal_the_oracle(tmp_path):
+    # Built for this CPU, the kernels use 512-bit vectors where it has them (cpu_vector.h's WIDE 16):
+    # attend_tile8 two keys a vector, silu_and_mul sixteen lanes. A CPU with AVX2 only runs the eight-lane
+    # code; this rebuilds the libraries without AVX-512 (a compiler wrapper) and runs their tests in a
+    # fresh process.
+    marker = tmp_path / "built"
+    cc = tmp_path / "cc"
+    cc.write_text(f'#!/bin/sh\ntouch "{marker}"\nexec "${{REAL_CC:-cc}}" "$@" -mno-avx512f\n')
+    cc.chmod(0o755)
+    tests = Path(__file__).parent
+    env = {**os.environ, "CC": str(cc), "REAL_CC": os.environ.get("CC", "cc"), "PAGEDKV_CACHE_DIR": str(tmp_path)}
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests / "test_batched_attention.py"),
+         str(tests / "test_cpu_ops.py"), "-k", "(head_dim_8 or same_bits or silu_and_mul_equals or wider) and not avx512"],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert marker.exists() and " passed" in run.stdout

@@ -510,6 +510,9 @@ static void attend_tile8(
                 transpose8(x, y);
                 for (int d = 0; d < 8; d++) *(f32x8 *)(vc + d * WIDE) = y[d];
             }
+            if (n % KPV)  /* the lanes past the chunk's last key held another chunk's (or sequence's) K/V: zero, never NaN */
+                for (int d = 0; d < 8; d++)
+                    *(f32x8 *)((float *)kt[n / KPV] + d * WIDE + 8) = *(f32x8 *)((float *)vt[n / KPV] + d * WIDE + 8) = (f32x8){0};
             for (int i = c0 < first_len ? 0 : (int)(c0 - first_len + 1); i < num_queries; i++) {
                 const int nv = first_len + i - c0 < n ? (int)(first_len + i - c0) : n;  /* keys of the chunk i sees */
                 const int ng = (nv + KPV - 1) / KPV, last = nv - (ng - 1) * KPV;  /* vectors; keys in the last */

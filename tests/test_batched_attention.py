@@ -329,3 +329,17 @@ def test_kernels_built_for_a_cpu_without_avx512_equal_the_oracle(tmp_path):
         env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert marker.exists() and " passed" in run.stdout
+
+
+def test_a_sequence_with_nan_keys_does_not_reach_the_next_sequence_of_the_kernel():
+    # Sequences share one thread's scratch: a chunk with an odd number of keys leaves lanes past its
+    # last key, which must not hold the previous sequence's K/V (0 x NaN is NaN).
+    q_lens, seq_lens = [32, 5, 1, 3], [32, 5, 9, 7]
+    q, k_cache, v_cache, tables, lens, qsl, scale = make_batch(q_lens, seq_lens, 8, 4, 8, 16, torch.float32, seed=17)
+    bad = tables[0, :2].long()
+    k_cache[bad], v_cache[bad] = float("nan"), float("nan")  # the first sequence's blocks only
+    expected = reference.paged_attention(q, k_cache, v_cache, tables, lens, qsl, scale)
+    got = cpu_kernels.paged_attention(q, k_cache, v_cache, tables, lens, qsl, scale)
+    assert got[:32].isnan().all() and expected[:32].isnan().all()
+    assert not got[32:].isnan().any()
+    torch.testing.assert_close(got[32:], expected[32:], atol=1e-5, rtol=0)

@@ -7,9 +7,17 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from pathlib import Path
 
 import pytest
+
+# `python -m pytest` puts the repository root first on sys.path, where kernels/ shadows Hugging Face's
+# `kernels` package, which transformers imports where it is installed (a dependency of transformers
+# 5.25): "cannot import name 'CUDAProperties' from 'kernels'". pagedkv is imported as the installed
+# package (`pip install -e .`), so the root is not needed there.
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != _ROOT]
 
 # One OpenMP thread for in-process torch (set before any test module imports torch): on a small
 # shared machine a second spinning thread makes tiny ops ~1000x slower. Workers use cores - 1 anyway.

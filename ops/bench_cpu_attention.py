@@ -67,8 +67,8 @@ def cpu_ms(fn, args, iters):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=5, help="alternations of the two paths per shape; timings of the captured inputs (default: 5)")
+    p.add_argument("--threads", type=int, default=1, help="torch and C kernel threads (default: 1)")
     p.add_argument("--model", help="also time the kernel on this checkpoint's captured prefill inputs")
     args = p.parse_args()
     torch.set_num_threads(args.threads)

@@ -362,7 +362,7 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, sock: socket.so
         snap = engine.kv_cache_snapshot()
         if engine.random_weights:
             log.warning("model weights are RANDOM: outputs are noise", model=engine.model_config.name)
-        log.info("serving", model=engine.served_model_names[0], path=engine.model_config.path,
+        log.info("serving", model=engine.served_model_names[0], path=engine.model_config.path or "(embedded)",
                  random_weights=engine.random_weights, num_gpu_blocks=snap["num_gpu_blocks"],
                  block_size=snap["block_size"], kv_cache_dtype=snap["kv_cache_dtype"], max_model_len=engine.max_model_len,
                  url=f"http://{args.host}:{port}", api_keys=api_keys.enabled,

@@ -181,6 +181,7 @@ def test_serve_real_model_then_sigterm_shuts_down_cleanly(stories260k):
         assert any(e["logger"] == "pagedkv.worker" and e["rank"] == 0 and e["event"].startswith("attention: cpu")
                    for e in server.events)
         assert serving["model"] == "stories260K"
+        assert serving["path"] == str(stories260k)
         assert serving["random_weights"] is False
         assert serving["num_gpu_blocks"] == 64
         assert serving["url"].startswith("http://127.0.0.1:")
@@ -279,6 +280,7 @@ def test_serve_embedded_default_with_an_external_worker_says_weights_are_random(
         assert warning["level"] == "warning"
         assert serve.events[-1]["random_weights"] is True
         assert serve.events[-1]["model"] == "pagedkv-embedded-random"
+        assert serve.events[-1]["path"] == "(embedded)"  # no checkpoint directory: said, not "None"
         body = serve.post("/v1/completions", {"prompt": "Hi", "max_tokens": 5, "ignore_eos": True})
         assert body["usage"]["completion_tokens"] == 5
         code, _ = serve.stop(signal.SIGINT)

@@ -169,12 +169,11 @@ int write_kv_cache(const void *key, int64_t key_stride, const void *value, int64
 }
 
 /* silu(g) = g / (1 + e^-g), from e = e^-|g| <= 1 so that nothing overflows: 1 / (1 + e) for g > 0,
- * e / (1 + e) otherwise (the select written with bit masks: C has no vector ?:). */
+ * e / (1 + e) otherwise. */
 static inline f32xw siluw(f32xw g) {
-    const i32xw positive = g > 0.0f;
     const f32xw e = expw(-maxw(g, -g));
-    const f32xw r = 1.0f / (1.0f + e), s = e * r;
-    return g * (f32xw)(((i32xw)r & positive) | ((i32xw)s & ~positive));
+    const f32xw r = 1.0f / (1.0f + e);
+    return g * selectw(g > 0.0f, r, e * r);
 }
 
 /* SwiGLU's activation (Shazeer 2020): out[t][i] = silu(x[t][i]) * x[t][size + i], for rows t of x

@@ -20,9 +20,14 @@ typedef int32_t i32x8 __attribute__((vector_size(32), aligned(4), may_alias));
 typedef float f32xw __attribute__((vector_size(4 * WIDE), aligned(4), may_alias));
 typedef int32_t i32xw __attribute__((vector_size(4 * WIDE), aligned(4), may_alias));
 
+/* Lane-wise mask ? a : b, for a mask from a vector comparison (C has no vector ?:). */
+static inline __attribute__((always_inline)) f32xw selectw(i32xw mask, f32xw a, f32xw b) {
+    return (f32xw)(((i32xw)a & mask) | ((i32xw)b & ~mask));
+}
+
 /* The lane-wise maximum. max8 written lane by lane: the compiler makes it one vmaxps (or NEON
- * fmax); maxw as a compare and a select, which a 512-bit register takes as is (written lane by
- * lane, GCC split it into two 256-bit halves through memory). */
+ * fmax). maxw is max8 at eight lanes; at sixteen a compare and a select, which a 512-bit register
+ * takes as is (written lane by lane, GCC split it into two 256-bit halves through memory). */
 static inline __attribute__((always_inline)) f32x8 max8(f32x8 a, f32x8 b) {
     for (int i = 0; i < 8; i++) a[i] = a[i] > b[i] ? a[i] : b[i];
     return a;
@@ -32,8 +37,7 @@ static inline __attribute__((always_inline)) f32xw maxw(f32xw a, f32xw b) {
 #if WIDE == 8
     return max8(a, b);  /* one vmaxps, where the compare and select take four AVX instructions */
 #else
-    const i32xw greater = a > b;
-    return (f32xw)(((i32xw)a & greater) | ((i32xw)b & ~greater));
+    return selectw(a > b, a, b);
 #endif
 }
 

@@ -58,10 +58,15 @@ def inputs(num_seqs, context, num_heads, num_kv_heads, head_dim, block_size=16, 
 
 def cpu_ms(fn, args, iters):
     hints = {"max_query_len": int((args[5][1:] - args[5][:-1]).max()), "max_seq_len": int(args[4].max())}
-    fn(*args, **hints)  # warm-up (and the kernel's build)
+    return thread_ms(lambda: fn(*args, **hints), iters)
+
+
+def thread_ms(run, iters: int) -> float:
+    """CPU ms of the calling thread per call of ``run``, mean of ``iters`` after one warm-up call (the kernel's build)."""
+    run()
     start = time.thread_time()
     for _ in range(iters):
-        fn(*args, **hints)
+        run()
     return 1000 * (time.thread_time() - start) / iters
 
 
@@ -86,7 +91,8 @@ def main() -> None:
         print(f"captured from {args.model}: one prefill step, {len(CAPTURED_PROMPTS)} prompts, "
               f"{sum(CAPTURED_PROMPTS)} tokens; C kernel CPU ms for all layers' calls, median of {args.repeats}")
         for kind, calls in captured_inputs(args.model).items():
-            ms = statistics.median(captured_ms(calls) for _ in range(args.repeats))
+            ms = statistics.median(thread_ms(lambda: [cpu_kernels.paged_attention(*a, **k) for a, k in calls], 10)
+                                   for _ in range(args.repeats))
             print(f"{kind:>28} {ms:9.2f}")
 
 
@@ -98,13 +104,9 @@ def captured_inputs(model: str) -> dict[str, list]:
     import sys
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_worker_breakdown import _runner
+    from bench_worker_breakdown import prefill_runner, prefill_step
 
-    from pagedkv.common.protocol import NewRequestData, StepPlan
-    from pagedkv.common.sampling_params import SamplingParams
-
-    per = -(-max(CAPTURED_PROMPTS) // 16)
-    runner, mc = _runner(model, None, len(CAPTURED_PROMPTS) * per + 1, len(CAPTURED_PROMPTS))
+    runner, mc = prefill_runner(model, CAPTURED_PROMPTS)
     rng = random.Random(0)
     streams = {"random tokens": [rng.randrange(mc.vocab_size) for _ in range(2 * max(CAPTURED_PROMPTS))]}
     if os.path.exists(os.path.join(model, "tokenizer.json")):
@@ -123,29 +125,12 @@ def captured_inputs(model: str) -> dict[str, list]:
     cpu_kernels.paged_attention = capture
     try:
         for step, (kind, ids) in enumerate(streams.items()):
-            calls = []
-            news = [NewRequestData(f"r{step}-{i}", ids[7 * i:7 * i + n], n, list(range(i * per, i * per + -(-n // 16))),
-                                   0, n, SamplingParams(temperature=0.0, max_tokens=1))
-                    for i, n in enumerate(CAPTURED_PROMPTS)]
-            result = runner.execute(StepPlan(step, new_requests=news,
-                                             finished_request_ids=[f"r{step - 1}-{i}" for i in range(len(news))]
-                                             if step else []))
-            assert result.error is None, result.error
-            captured[kind] = calls
+            calls.clear()
+            prefill_step(runner, step, [ids[7 * i:7 * i + n] for i, n in enumerate(CAPTURED_PROMPTS)])
+            captured[kind] = list(calls)
     finally:
         cpu_kernels.paged_attention = fused
     return captured
-
-
-def captured_ms(calls: list, iters: int = 10) -> float:
-    """CPU ms of the calling thread for one pass over ``calls`` (the C kernel), mean of ``iters``."""
-    for a, k in calls:
-        cpu_kernels.paged_attention(*a, **k)
-    start = time.thread_time()
-    for _ in range(iters):
-        for a, k in calls:
-            cpu_kernels.paged_attention(*a, **k)
-    return 1000 * (time.thread_time() - start) / iters
 
 
 def measure(num_seqs, context, heads, kv_heads, dim, prefill, repeats):

@@ -49,6 +49,26 @@ def _runner(model: str, backend: str | None, num_blocks: int, max_num_seqs: int,
     return runner, mc
 
 
+def prefill_runner(model: str, lengths: list[int], backend: str | None = None, dtype: str = "float32"):
+    """`_runner` with blocks for `prefill_step` to admit prompts of these lengths whole, each its own
+    blocks: returns (runner, model config)."""
+    return _runner(model, backend, len(lengths) * -(-max(lengths) // 16) + 1, len(lengths), dtype)
+
+
+def prefill_step(runner, step: int, prompts: list[list[int]]) -> None:
+    """One step that admits ``prompts`` whole (greedy) into a `prefill_runner`'s pool, request i in
+    blocks from i x the longest prompt's block count on, after finishing step - 1's requests."""
+    from pagedkv.common.protocol import NewRequestData, StepPlan
+    from pagedkv.common.sampling_params import SamplingParams
+
+    per, greedy = -(-max(map(len, prompts)) // 16), SamplingParams(temperature=0.0, max_tokens=8)
+    news = [NewRequestData(f"r{step}-{i}", ids, len(ids), list(range(i * per, i * per + -(-len(ids) // 16))), 0,
+                           len(ids), greedy) for i, ids in enumerate(prompts)]
+    previous = [f"r{step - 1}-{i}" for i in range(len(prompts))] if step else []
+    result = runner.execute(StepPlan(step, new_requests=news, finished_request_ids=previous))
+    assert result.error is None, result.error
+
+
 def _instrument(runner, acc: dict) -> None:
     """Wrap the forward's parts (and the CPU backend's C call) in thread-CPU-time counters into ``acc``."""
     def timed(name, fn):
@@ -112,26 +132,16 @@ def main() -> None:
         p.error(f"--steps must be at least 4, got {args.steps}")
     acc: dict[str, float] = collections.defaultdict(float)
     if args.prefill:
-        from pagedkv.common.protocol import NewRequestData, StepPlan
-        from pagedkv.common.sampling_params import SamplingParams
-
         if "x" in args.prefill:
             n, length = (int(x) for x in args.prefill.split("x"))
             lengths = [length] * n
         else:
             lengths = [int(x) for x in args.prefill.split(",")]
-        per = -(-max(lengths) // 16)
-        runner, mc = _runner(args.model, args.attention_backend, len(lengths) * per + 1, len(lengths), args.dtype)
+        runner, mc = prefill_runner(args.model, lengths, args.attention_backend, args.dtype)
         _instrument(runner, acc)
-        greedy, previous = SamplingParams(temperature=0.0, max_tokens=8), []
         for k in range(4):
             acc.clear()
-            news = [NewRequestData(f"r{k}-{i}", [(7 * j + i) % mc.vocab_size for j in range(length)], length,
-                                   list(range(i * per, i * per + -(-length // 16))), 0, length, greedy)
-                    for i, length in enumerate(lengths)]
-            result = runner.execute(StepPlan(k, new_requests=news, finished_request_ids=previous))
-            assert result.error is None, result.error
-            previous = [r.request_id for r in news]
+            prefill_step(runner, k, [[(7 * j + i) % mc.vocab_size for j in range(n)] for i, n in enumerate(lengths)])
             print(f"prefill step {k + 1}: {len(lengths)} prompts, {sum(lengths)} tokens (longest {max(lengths)})")
             _report(acc, 1)
         return

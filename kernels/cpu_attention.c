@@ -21,6 +21,7 @@
  * query_start_loc [num_seqs + 1] int32. Only sequences with 1 to max_query_len new tokens are
  * computed; the others' rows of out are left untouched. Head h reads KV head h / (num_heads / num_kv_heads).
  */
+#include <float.h>
 #include <limits.h>
 #include <math.h>
 #include <pthread.h>
@@ -31,6 +32,11 @@
 #include "cpu_vector.h"
 
 enum { KV_F32 = 0, KV_BF16 = 1, KV_LUT8 = 2 };
+
+/* The running maximum's start and a masked key's score: below every float32 score (-1e30 was not:
+ * a query whose scores were all below it got V's plain average). e^(NO_SCORE - max) is clamped to
+ * e^-87 like any other weight that small, also where the difference overflows to -inf. */
+#define NO_SCORE (-FLT_MAX)
 
 /* Every element type becomes float32 here; 8-bit caches (fp8 E4M3 / E5M2) decode through a
  * 256-entry table built by the caller from torch, so this file knows no fp8 format. */
@@ -269,7 +275,7 @@ static inline __attribute__((always_inline)) void attend_tile(
                 float *restrict dst = qs + (i * group + g) * head_dim;
                 for (int d = 0; d < head_dim; d++) dst[d] = src[d] * qk_scale;
             }
-        for (int r = 0; r < rows; r++) m[r] = -1e30f, l[r] = 0.0f;
+        for (int r = 0; r < rows; r++) m[r] = NO_SCORE, l[r] = 0.0f;
         memset(acc, 0, sizeof(float) * (size_t)rows * (size_t)head_dim);
         for (int64_t c0 = 0; c0 < kv_len; c0 += CHUNK) {
             const int n = kv_len - c0 < CHUNK ? (int)(kv_len - c0) : CHUNK;
@@ -297,7 +303,7 @@ static inline __attribute__((always_inline)) void attend_tile(
                     float *restrict s = scores + r * CHUNK;
                     float mx = m[r];
                     for (int c = 0; c < CHUNK; c++) {
-                        s[c] = c < nv ? s[c] : -1e30f;  /* keys past the query, or past the chunk */
+                        s[c] = c < nv ? s[c] : NO_SCORE;  /* keys past the query, or past the chunk */
                         mx = s[c] > mx ? s[c] : mx;
                     }
                     const float alpha = exp_nonpositive(m[r] - mx);  /* rescales what the old max weighed */
@@ -358,7 +364,7 @@ static void attend_heads8(
             qv[i] = *(const f32x8 *)(q + (h0 + i) * 8) * qk_scale;
             at[i] = (h0 + i) / group * 8;
         }
-        f32x8 m = {-1e30f, -1e30f, -1e30f, -1e30f, -1e30f, -1e30f, -1e30f, -1e30f};
+        f32x8 m = (f32x8){0} + NO_SCORE;
         for (int64_t first = 0, slot0; first < len; first += block_size) {  /* scores[t][i] = <q_i, k_t> */
             const char *next;
             const int n = block_keys(table, first, len, block_size, k_cache, block_bytes, &slot0, &next);
@@ -489,7 +495,7 @@ static void attend_tile8(
             for (int h = 0; h < 8; h++) x[h] = *(const f32x8 *)(q + ((int64_t)i * num_heads + h0 + h) * 8) * qk_scale;
             transpose8(x, y);
             for (int d = 0; d < 8; d++) qt[i][d] = spread8(y[d]), acc[i][d] = (f32xw){0};
-            m[i] = (f32x8){-1e30f, -1e30f, -1e30f, -1e30f, -1e30f, -1e30f, -1e30f, -1e30f};
+            m[i] = (f32x8){0} + NO_SCORE;
             l[i] = (f32x8){0};
         }
         for (int64_t c0 = 0; c0 < kv_len; c0 += CHUNK) {
@@ -524,7 +530,7 @@ static void attend_tile8(
                     const f32xw *k = kt[g];
                     const f32xw sg = ((q0 * k[0] + q1 * k[1]) + (q2 * k[2] + q3 * k[3]))
                                    + ((q4 * k[4] + q5 * k[5]) + (q6 * k[6] + q7 * k[7]));
-                    s[g] = g + 1 < ng ? sg : keep_keys(sg, last, -1e30f);  /* a key past nv weighs nothing */
+                    s[g] = g + 1 < ng ? sg : keep_keys(sg, last, NO_SCORE);  /* a key past nv weighs nothing */
                     mx = maxw(mx, s[g]);
                 }
                 const f32x8 mx8 = fold8_max(mx), alpha = exp8(m[i] - mx8);  /* alpha rescales what the old max weighed */

@@ -152,7 +152,8 @@ def paged_attention(
 
     Rows of sequences with 1 to ``FUSED_MAX_QUERY_LEN`` new tokens in a CPU float32, bfloat16 or
     fp8 pool run `cpu_attention.c`; longer prefill chunks, and every row where `fused_available`
-    is False, run `reference.batched_paged_attention`. max_query_len <= ``FUSED_MAX_QUERY_LEN``
+    is False or where V's pool differs from K's (layout, element type, shape) or the shapes disagree,
+    run `reference.batched_paged_attention`. max_query_len <= ``FUSED_MAX_QUERY_LEN``
     (e.g. a decode-only step) skips the batched pass; max_query_len and max_seq_len, when given,
     must bound the batch's (else they are computed here). The fused rows are split over
     ``torch.get_num_threads()`` threads (tiles of new tokens, by (query, key) pairs, at least about 4K of
@@ -165,11 +166,16 @@ def paged_attention(
         out = torch.empty_like(q)
     if q.shape[0] == 0:
         return out
-    if q.device.type != "cpu" or not k_cache.is_contiguous() or not fused_available(k_cache.dtype):
-        return reference.batched_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                                 scale, out, max_query_len, max_seq_len, k_scale, v_scale)
     _, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    # the kernel reads V with K's layout, element type and pool size, and trusts the shapes: other
+    # cases take the batched path (and its errors), which never reads past a tensor
+    if (q.device.type != "cpu" or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+            or v_cache.dtype != k_cache.dtype or v_cache.shape != k_cache.shape or not fused_available(k_cache.dtype)
+            or k_cache.shape[3] != head_dim or num_heads % num_kv_heads
+            or block_tables.shape[0] < seq_lens.shape[0] or query_start_loc.shape[0] < seq_lens.shape[0] + 1):
+        return reference.batched_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                                 scale, out, max_query_len, max_seq_len, k_scale, v_scale)
     q32 = q.float().contiguous()
     out32 = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty_like(q32)
     tables = block_tables.to(torch.int32).contiguous()
@@ -277,7 +283,7 @@ def write_kv_cache(
 ) -> None:
     """`reference.write_kv_cache` (same arguments, bit-identical but for NaN's bits), in C for float32 or
     bfloat16 K/V (both of one dtype) into a float32 or bfloat16 CPU pool; fp8 pools (quantized with
-    the scales) and K and V of different dtypes take the reference.
+    the scales), K and V of different dtypes, and V pools of another shape than K's take the reference.
 
     key, value: ``[num_tokens, num_kv_heads, head_dim]``, each token's row contiguous; slot_mapping
     ``[num_tokens]`` int64, -1 = skip. Raises IndexError, writing nothing, for a slot outside the pool.
@@ -285,7 +291,7 @@ def write_kv_cache(
     lib = _library("cpu_ops.c")
     if (lib is None or k_cache.dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != k_cache.dtype
             or not (_rows(key) and _rows(value)) or value.dtype != key.dtype or not k_cache.is_cpu
-            or key.shape[1:] != k_cache.shape[2:]
+            or key.shape[1:] != k_cache.shape[2:] or v_cache.shape != k_cache.shape
             or value.shape != key.shape or slot_mapping.shape != key.shape[:1]
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
         reference.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)

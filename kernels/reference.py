@@ -169,6 +169,10 @@ def _attend(q, k_cache, v_cache, tables, seq_lens, starts, q_lens, max_q, scale,
     blocks = tables[:, :num_blocks].long().clamp_min(0)  # unused columns may hold anything (-1)
     k = fp8.dequantize(k_cache[blocks], k_scale).view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
     v = fp8.dequantize(v_cache[blocks], v_scale).view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
+    # slots past a sequence's length (a freed block's stale data, or other sequences' blocks named by
+    # the padding) weigh 0, but 0 x NaN is NaN in P @ V: zeroed, so no NaN there reaches the output
+    past = torch.arange(k.shape[1], device=q.device)[None, :] >= seq_lens[:, None]  # [seqs, ctx]
+    v.masked_fill_(past[:, :, None, None], 0.0)  # v: the gather's float32 copy, not the pool
     j = torch.arange(max_q, device=q.device)
     valid = j[None, :] < q_lens[:, None]  # [seqs, max_q]
     rows = torch.where(valid, starts[:, None] + j[None, :], 0)

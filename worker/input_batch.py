@@ -52,6 +52,7 @@ class InputBatch:
         self.row_of: dict[str, int] = {}
         self.params: list[SamplingParams | None] = []
         self.capacity = 0
+        self._pending: list[tuple[int, int, int]] = []  # (row, column, block) writes for the device table
         self._allocate(capacity)
 
     # ---- storage -------------------------------------------------------------------------------
@@ -83,8 +84,7 @@ class InputBatch:
         self.request_ids += [None] * (capacity - old)
         self.params += [None] * (capacity - old)
         for name, arr in keep.items():
-            getattr(self, name)[:n] = arr[:n]
-        self._pending: list[tuple[int, int, int]] = []  # (row, column, block) writes for the device table
+            getattr(self, name)[:n] = arr[:n]  # the device table's copy lacks the step's pending writes: they stay
 
     def _array_names(self):
         yield from ("token_ids", "block_table", "num_tokens", "num_prompt", "num_computed", "num_blocks", "q_len",

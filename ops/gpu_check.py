@@ -2,7 +2,8 @@
 
 ``kernels``: the compiled Triton kernels against the per-sequence PyTorch oracle on CUDA in
 bf16/fp16/fp32 (random mixed decode/prefill/extend batches, the decode-only hint, split-K at long
-contexts), and copy_blocks with a destination that is also a source.
+contexts), copy_blocks with a destination that is also a source, and a chunked prefill whose
+inputs are staged while the GPU lags behind the host.
 
 ``anatomy``: Llama-3.1-8B shapes with dummy weights (bf16), decode steps at a batch x context grid
 through `ModelRunner.execute`, eager and with CUDA graphs: wall ms per step, host ms (CPU time
@@ -86,8 +87,45 @@ def check_kernels() -> bool:
         ok &= good
         if not good:
             print(f"  FAIL copy_blocks aliasing (mapping on {'device' if on_device else 'host'})")
+    ok &= check_staging()
     print(f"kernels vs oracle on CUDA: {'OK' if ok else 'FAILED'}")
     return ok
+
+
+def check_staging(device: str = "cuda") -> bool:
+    """A prompt prefilled in chunks that sample nothing, queued behind a busy GPU so the host runs ahead,
+    gives the same top logprobs as the prompt in one step: `ModelRunner._stage` must not rewrite its
+    pinned buffer before the previous step's copy has read it (the embedded model, float32)."""
+    from pagedkv.common.config import EngineConfig, ModelConfig
+    from pagedkv.common.protocol import CachedRequestData, NewRequestData, StepPlan
+    from pagedkv.common.sampling_params import SamplingParams
+    from pagedkv.worker.model_runner import ModelRunner
+
+    dev = torch.device(device)
+    runner = ModelRunner(EngineConfig(enforce_eager=True), dev, torch.float32, ModelConfig.load(None))
+    runner.init_cache(64, 0)
+    n, chunk = 256, 16
+    prompt = [(7 * j + 3) % 200 + 10 for j in range(n)]
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    blocks = list(range(-(-n // runner.block_size)))  # all in the first plan: later steps write no block-table entry
+
+    def whole_or_chunks(rid: str, first: int, step: int) -> tuple:
+        result = runner.execute(StepPlan(step, new_requests=[NewRequestData(rid, prompt, n, blocks, 0, first, params)]))
+        if dev.type == "cuda" and first < n:
+            torch.cuda.synchronize()
+            torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU work queued ahead of the chunks' copies
+        for _ in range(first, n, chunk):
+            result = runner.execute(StepPlan(step := step + 1, cached_requests=[CachedRequestData(rid, [], chunk)]))
+        runner.execute(StepPlan(step + 1, finished_request_ids=[rid]))
+        (tok,) = result.sampled
+        return tok.token_id, tok.top_logprobs
+
+    want = whole_or_chunks("whole", n, 0)
+    got = whole_or_chunks("chunked", chunk, 10)
+    good = got[0] == want[0] and all(a[0] == b[0] and abs(a[1] - b[1]) < 1e-3 for a, b in zip(got[1], want[1]))
+    print(f"  staged inputs, {n // chunk} prefill chunks queued behind a busy GPU: "
+          f"{'OK' if good else f'FAIL {got} != {want}'}", flush=True)
+    return good
 
 
 def anatomy(config_dir: str, grid: list[tuple[int, int]], steps: int) -> list[dict]:

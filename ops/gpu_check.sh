@@ -2,7 +2,7 @@
 # One prepared GPU check of the worker hot path, for a lent H200 (or any CUDA GPU); at most ~8 minutes.
 # Reaches no package registry and downloads nothing: run it from the repository root with the
 # project's venv active (torch with CUDA, triton). Writes logs to ${OUT:-gpu-check}/.
-#   1. kernels against the PyTorch oracle on CUDA (bf16/fp16/fp32), copy_blocks aliasing  (~1 min)
+#   1. kernels against the PyTorch oracle on CUDA (bf16/fp16/fp32), copy_blocks aliasing, staging (~1 min)
 #   2. step anatomy on Llama-3.1-8B shapes, dummy weights: wall, host, GPU busy; eager and graphs (~2 min)
 #   3. ops/bench_kernels.py --quick                                                          (~1 min)
 #   4. pagedkv serve (dummy Llama-3.1-8B) at 1/16/64/256 concurrent streams                  (~3 min)

@@ -610,3 +610,17 @@ def test_a_stored_lm_head_unlike_the_embedding_is_kept_under_tie_word_embeddings
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     model = load_model(ModelConfig.load(str(tmp_path)), EngineConfig(), CPU, torch.float32)
     assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_gpu_checks_staging_case_runs_on_the_cpu_and_a_chunked_prefill_equals_the_whole(monkeypatch):
+    """ops/gpu_check.py's staging check (a prompt in 16 chunks that sample nothing against the prompt in
+    one step, top-5 logprobs) on the CPU: the chunked path agrees, and the GPU script, run only when a
+    session is lent a GPU, still fits the plan format."""
+    import importlib.util
+    import os
+    from pathlib import Path
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "1"))  # the module pops it
+    spec = importlib.util.spec_from_file_location("gpu_check", Path(__file__).resolve().parents[1] / "ops/gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    assert gpu_check.check_staging("cpu")

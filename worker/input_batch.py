@@ -189,17 +189,13 @@ class InputBatch:
         ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
         self.output_counts[row].index_put_((ids,), torch.ones_like(ids, dtype=torch.int32), accumulate=True)
 
-    def flush_block_table(self, staging: torch.Tensor | None = None) -> None:
+    def flush_block_table(self) -> None:
         """Send the step's block-table writes to the device copy (no-op on CPU, where they are one)."""
         if self.on_cpu or not self._pending:
             self._pending = []
             return
-        writes = torch.tensor(self._pending, dtype=torch.int64).T.contiguous()
-        if staging is not None and staging.numel() >= writes.numel():
-            staging = staging[:writes.numel()].view(3, -1)
-            staging.copy_(writes)
-            writes = staging
-        writes = writes.to(self.device, non_blocking=True)
+        # pageable memory: the copy has read it when `to` returns
+        writes = torch.tensor(self._pending, dtype=torch.int64).T.contiguous().to(self.device, non_blocking=True)
         self.block_table_dev[writes[0], writes[1]] = writes[2].to(torch.int32)
         self._pending = []
 

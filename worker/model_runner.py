@@ -68,7 +68,7 @@ class ModelRunner:
         self.batch = InputBatch(engine_config.max_num_seqs, self.max_model_len, self.block_size,
                                 self.model_config.vocab_size, device, self.model_config.eos_token_ids)
         self._pinned = device.type == "cuda"
-        self._staging: dict[torch.dtype, torch.Tensor] = {}
+        self._staging: dict[torch.dtype, tuple[torch.Tensor, torch.cuda.Event]] = {}  # pinned buffer, its last copy
         self.graphs: DecodeGraphs | None = None
         # decode CUDA graphs (on CUDA unless --enforce-eager); tests set it on CPU for the emulated path.
         # Under tensor parallelism decode steps run eagerly: NCCL all-reduces inside captured graphs
@@ -229,20 +229,31 @@ class ModelRunner:
         return self._run(cache)
 
     def _stage(self, dtype: torch.dtype, parts: list[np.ndarray]) -> list[torch.Tensor]:
-        """Host arrays as device tensors: on CUDA one pinned staging buffer and one non-blocking copy."""
+        """Host arrays as device tensors: on CUDA one pinned staging buffer and one non-blocking copy.
+
+        The buffer is rewritten every step, and a step that samples nothing and writes no block-table
+        entry (whose pageable copy syncs the stream) never waits for the device: the host may run
+        steps ahead of it. So a rewrite first waits for the copy that last read the buffer (its
+        event), or a copy queued behind a long forward would send a later step's tokens and slots.
+        """
         if not self._pinned:
             return [torch.from_numpy(p) for p in parts]
         sizes = [-(-p.size // _ALIGN) * _ALIGN for p in parts]
         total = sum(sizes)
-        buf = self._staging.get(dtype)
+        buf, copied = self._staging.get(dtype, (None, None))
+        if copied is None:
+            copied = torch.cuda.Event()
+        else:
+            copied.synchronize()
         if buf is None or buf.numel() < total:
-            buf = self._staging[dtype] = torch.empty(max(total, 2 * (0 if buf is None else buf.numel())),
-                                                     dtype=dtype, pin_memory=True)
+            buf = torch.empty(max(total, 2 * (0 if buf is None else buf.numel())), dtype=dtype, pin_memory=True)
         host = buf.numpy()
         offsets = np.cumsum([0] + sizes)
         for p, o in zip(parts, offsets):
             host[o:o + p.size] = p
         dev = buf[:total].to(self.device, non_blocking=True)
+        copied.record()
+        self._staging[dtype] = (buf, copied)
         return [dev[o:o + p.size] for p, o in zip(parts, offsets)]
 
     def _run(self, cache: CacheEngine) -> tuple[list[SampledToken], list[PromptLogprobs]]:

@@ -198,8 +198,9 @@ def paged_attention(
     if max_query_len > FUSED_MAX_QUERY_LEN:  # longer prefill rows
         reference.batched_paged_attention(q32, k_cache, v_cache, tables, lens, starts, scale, out32,
                                           k_scale=k_scale, v_scale=v_scale, fused_max_query_len=FUSED_MAX_QUERY_LEN)
-    if out32 is not out:
-        out.copy_(out32)
+    if out32 is not out:  # rows past the last sequence's are the caller's: out32 holds garbage there
+        rows = int(starts[-1])
+        out[:rows].copy_(out32[:rows])
     return out
 
 

@@ -166,7 +166,9 @@ def _attend(q, k_cache, v_cache, tables, seq_lens, starts, q_lens, max_q, scale,
     group = num_heads // num_kv_heads
     ctx = int(seq_lens.max())
     num_blocks = -(-ctx // block_size)
-    blocks = tables[:, :num_blocks].long().clamp_min(0)  # unused columns may hold anything (-1)
+    # columns past a sequence's length may hold anything (-1, an id past the pool): never gathered
+    used = torch.arange(num_blocks, device=tables.device)[None, :] * block_size < seq_lens[:, None]
+    blocks = torch.where(used, tables[:, :num_blocks].long(), 0).clamp_min(0)
     k = fp8.dequantize(k_cache[blocks], k_scale).view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
     v = fp8.dequantize(v_cache[blocks], v_scale).view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
     # slots past a sequence's length (a freed block's stale data, or other sequences' blocks named by

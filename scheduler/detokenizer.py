@@ -17,8 +17,10 @@ from __future__ import annotations
 
 from pagedkv.scheduler.tokenizer import Tokenizer
 
-# Tokens of the prompt decoded with the first output token, so its spacing is read in context.
+# Tokens of the prompt decoded with the first output token, so its spacing is read in context; up to
+# 3 more when those start inside a character (a UTF-8 character is at most 4 byte tokens).
 _INITIAL_CONTEXT_TOKENS = 5
+_MAX_CONTEXT_TOKENS = 8
 _REPLACEMENT_CHAR = "\ufffd"
 
 
@@ -39,13 +41,22 @@ class IncrementalDetokenizer:
         self._special = tokenizer.special_token_ids if skip_special_tokens else frozenset()
         # Special tokens are dropped before decoding (as a full decode with skip_special_tokens
         # does), so the window never starts on an invisible token and loses a leading space.
-        context: list[int] = []  # read back from the end, stopping after the fifth ordinary token
+        context: list[int] = []  # read back from the end: five ordinary tokens, more if they start mid-character
         for t in reversed(prompt_token_ids):
-            if len(context) == _INITIAL_CONTEXT_TOKENS:
+            if t in self._special:
+                continue
+            context.append(t)
+            if len(context) == _MAX_CONTEXT_TOKENS or len(context) >= _INITIAL_CONTEXT_TOKENS and \
+                    not tokenizer.decode(context[::-1], skip_special_tokens).startswith(_REPLACEMENT_CHAR):
                 break
-            if t not in self._special:
-                context.append(t)
         context.reverse()
+        # A context that decodes with U+FFFD at either end (it starts inside a character, or the prompt,
+        # given as token ids, ends inside one) reads differently once output bytes follow it: a byte
+        # fallback decoder turns a whole run of byte tokens into U+FFFD when any of it is invalid, and
+        # a completed character would swallow output text. The output is read without that part.
+        while context and (text := tokenizer.decode(context, skip_special_tokens)) and \
+                _REPLACEMENT_CHAR in (text[0], text[-1]):
+            del context[0 if text[0] == _REPLACEMENT_CHAR else -1]
         self._ids: list[int] = context
         self._prefix_offset = 0
         self._read_offset = len(context)

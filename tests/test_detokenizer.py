@@ -143,6 +143,24 @@ def test_byte_tokenizer_streams_utf8_characters_whole(byte_tok):
     assert d.output_text == "héllo €"
 
 
+def test_prompt_whose_last_five_tokens_start_inside_a_character(tok):
+    # "中中" is six byte tokens: five of them start inside the first "中", and a byte fallback decoder
+    # turns that whole run, the output's "😀" bytes with it, into U+FFFD. The context reaches back to "中".
+    prompt = tok.encode("Once upon a time 中中")
+    deltas, d = stream(tok, prompt, [243, 162, 155, 131, 383, 286])
+    assert deltas == ["", "", "", "😀", " there", " was", ""]
+    assert tok.decode(prompt) + d.output_text == "Once upon a time 中中😀 there was"
+
+
+def test_prompt_of_token_ids_ending_inside_a_character(tok):
+    # The prompt ends with <0xE2> <0x82>, the first bytes of "€": the output's <0xAC> no longer completes
+    # it and swallows " there" (the window's text shrank); the output reads as after the whole characters.
+    out = [3 + 0xAC, 383, 286]
+    deltas, d = stream(tok, GOLDEN_PROMPT_IDS + [3 + 0xE2, 3 + 0x82], out)
+    assert deltas == ["", "\ufffd there", " was", ""]
+    assert d.output_text == tok.decode(GOLDEN_PROMPT_IDS + out)[len(tok.decode(GOLDEN_PROMPT_IDS)):]
+
+
 def test_special_tokens_are_skipped_without_losing_spaces(tok):
     # The model ends a story with BOS (1); the next story's "▁Once" keeps its space as a full decode does.
     out = [426, 1, 403, 407]
@@ -208,3 +226,43 @@ def _stories_tokenizer(path):
     if path not in _TOK_CACHE:
         _TOK_CACHE[path] = Tokenizer.load(ModelConfig.load(str(path)))
     return _TOK_CACHE[path]
+
+
+_PARTIAL = [[_BYTE[b] for b in ch.encode()[:k]] for ch in "😀€é中" for k in range(1, len(ch.encode()))]
+
+
+@settings(max_examples=300, deadline=None)
+@given(prompt_units=st.lists(st.sampled_from(_UNITS), min_size=0, max_size=8),
+       partial=st.one_of(st.just([]), st.sampled_from(_PARTIAL)),
+       units=st.lists(st.sampled_from(_UNITS), min_size=1, max_size=20), data=st.data())
+def test_streamed_text_equals_a_full_decode_after_any_prompt(stories260k, prompt_units, partial, units, data):
+    # A prompt whose last five tokens start inside a character (byte fallback) once turned the output's
+    # own bytes into U+FFFD; one given as token ids that ends inside a character (``partial``) swallowed
+    # output text. The output reads as it would after the prompt's complete characters.
+    tok = _stories_tokenizer(stories260k)
+    complete = [1] + [t for u in prompt_units for t in u]
+    out = [t for u in units for t in u]
+    prompt_text = tok.decode(complete)
+    expected = tok.decode(complete + out)[len(prompt_text):]
+    assert tok.decode(complete + out).startswith(prompt_text)
+    stop = []
+    if expected and data.draw(st.booleans()):
+        i = data.draw(st.integers(0, len(expected) - 1))
+        stop = [expected[i:i + data.draw(st.integers(1, 6))]]
+        expected = expected[:expected.find(stop[0])]
+    deltas, d = stream(tok, complete + partial, out, stop=stop)
+    assert "".join(deltas) == expected == d.output_text
+    assert all("\ufffd" not in x for x in deltas)
+
+
+@settings(max_examples=200, deadline=None)
+@given(prompt=st.text(min_size=1, max_size=12), output=st.text(min_size=1, max_size=12),
+       cut=st.integers(0, 3))
+def test_byte_tokenizer_output_after_a_multibyte_prompt(byte_tok, prompt, output, cut):
+    # The embedded default's tokens are all bytes: a prompt "日本" left a context starting inside "日",
+    # and every output byte decoded to U+FFFD with it.
+    ids = byte_tok.encode(prompt)
+    if cut and len(prompt[-1].encode()) > cut:  # a prompt of token ids ending inside its last character
+        ids = ids[:-cut]
+    deltas, d = stream(byte_tok, ids, list(output.encode()))
+    assert "".join(deltas) == d.output_text == output == byte_tok.decode(list(output.encode()))

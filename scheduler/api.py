@@ -398,8 +398,11 @@ def _logit_bias(req: _SamplingFields, vocab: int) -> dict[int, float]:
     """OpenAI's logit_bias ({"token id": bias}) with int keys; raises APIError naming a bad key."""
     bias = {}
     for key, value in (req.logit_bias or {}).items():
-        if not re.fullmatch(r"\d+", key) or int(key) >= vocab:
-            raise APIError(400, f"logit_bias: key {key!r} is not a token id in [0, {vocab})", "logit_bias")
+        # ASCII digits only (\d takes any script's); a key longer than any id is not converted (int()
+        # refuses over 4,300 digits)
+        if not re.fullmatch(r"[0-9]+", key) or len(key.lstrip("0")) > len(str(vocab)) or int(key) >= vocab:
+            shown = repr(key) if len(key) <= 40 else f"of {len(key)} characters"
+            raise APIError(400, f"logit_bias: key {shown} is not a token id in [0, {vocab})", "logit_bias")
         bias[int(key)] = value
     return bias
 
@@ -825,9 +828,11 @@ class _API:
                                       logprobs=(req.top_logprobs or 0) if req.logprobs else None)
             gen = _Generation(engine, [prompt], params, request_id, self._extra(req, request))
         except APIError as e:  # name the field the client sent
-            if e.param == "max_tokens" and req.max_completion_tokens is not None:
-                e.param = "max_completion_tokens"
-                e.message = re.sub(r"\bmax_tokens\b", "max_completion_tokens", e.message)
+            sent = {"max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else None,
+                    "logprobs": "top_logprobs"}.get(e.param)  # chat's logprobs is a bool; the count is top_logprobs
+            if sent is not None:
+                e.message = re.sub(rf"\b{e.param}\b", sent, e.message)
+                e.param = sent
             raise
         created = int(time.time())
         model = engine.served_model_names[0]

@@ -86,6 +86,13 @@ POISON = [  # (id, path, raw body, param named by the 400)
     ("chat-n-zero", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "n": 0}', "n"),
     ("chat-role-lone-surrogate", "/v1/chat/completions",
      '{"messages": [{"role": "\\udfff", "content": "x"}], "max_tokens": 4}', "messages[0].role"),
+    ("logit-bias-key-5000-digits", "/v1/completions", with_field("logit_bias", '{"' + "1" * 5000 + '": 1}'),
+     "logit_bias"),  # past Python's int-parsing limit
+    ("logit-bias-key-arabic-digit", "/v1/completions", with_field("logit_bias", '{"\\u0665": 1}'), "logit_bias"),
+    ("chat-top-logprobs-above-max", "/v1/chat/completions",
+     '{"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 21}', "top_logprobs"),
+    ("chat-top-logprobs-negative", "/v1/chat/completions",
+     '{"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": -1}', "top_logprobs"),
 ]
 
 

@@ -821,7 +821,11 @@ class _API:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:  # OpenAI: up to the context limit; here also up to what the pool can hold
             snap = engine.kv_cache_snapshot()
-            room = min(engine.max_model_len, snap["num_gpu_blocks"] * snap["block_size"]) - len(prompt)
+            # for all n sequences (or beams) at once: they share the prompt's full blocks before their fork
+            # point, each holds prompt + max_tokens - 1 tokens (as Engine._validate counts the group)
+            bs, shared = snap["block_size"], (len(prompt) - 1) // snap["block_size"]
+            blocks_each = shared + (snap["num_gpu_blocks"] - shared) // max(req.n, 1)
+            room = min(engine.max_model_len - len(prompt), blocks_each * bs - len(prompt) + 1)
             max_tokens = max(room, 1)
         try:
             params = _sampling_params(req, engine, max_tokens=max_tokens,

@@ -416,6 +416,16 @@ async def test_chat_without_max_tokens_runs_to_the_pool_limit(chat_http):
     assert body["choices"][0]["finish_reason"] == "length"
 
 
+async def test_chat_without_max_tokens_shares_the_pool_among_n_choices(chat_http):
+    # n = 3 sequences of 512 tokens need 96 blocks: each choice gets 64 // 3 = 21 blocks, 336 tokens
+    # (the last sampled one is never written: 5 prompt + 332 output). It was sized for one choice and refused.
+    body = await (await chat_http.post("/v1/chat/completions", json={
+        "messages": CHAT_GOLDEN["messages"], "temperature": 0, "ignore_eos": True, "n": 3})).json()
+    assert body["usage"]["completion_tokens"] == 3 * 332, body
+    assert [c["finish_reason"] for c in body["choices"]] == ["length"] * 3
+    await wait_all_blocks_free(chat_http)
+
+
 async def test_chat_top_logprobs_without_logprobs_gets_400(chat_http):
     resp = await chat_http.post("/v1/chat/completions", json={**CHAT_GOLDEN, "top_logprobs": 2})
     assert resp.status == 400

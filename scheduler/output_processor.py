@@ -263,7 +263,8 @@ class OutputProcessor:
     # ---- ending ------------------------------------------------------------------------------
 
     def end(self, stream: RequestStream, status: RequestStatus, error: str | None = None) -> None:
-        """Finish every live sequence of a request; unfinished choices get a final delta with ``status``."""
+        """Finish every live sequence of a request; unfinished choices get a final delta with ``status``,
+        carrying the text their detokenizer still held back (a possible stop string, a partial character)."""
         for req in stream.members:
             if req.request_id in self.scheduler.requests:
                 self.scheduler.finish(req, status)
@@ -271,7 +272,9 @@ class OutputProcessor:
         for index in range(stream.n):
             if index not in stream.finished:
                 req = next((m for m in stream.members if m.index == index), first)
-                self._send(stream, self._output(stream, req, index, [], "", None, status, error))
+                text = stream.detoks[index].flush() if index in stream.detoks and \
+                    status is not RequestStatus.FINISHED_ERROR else ""  # the API sends an error delta's text nowhere
+                self._send(stream, self._output(stream, req, index, [], text, None, status, error))
                 stream.finished.add(index)
 
     def _send(self, stream: RequestStream, out: RequestOutput) -> None:

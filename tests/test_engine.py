@@ -97,6 +97,22 @@ async def test_closing_the_stream_early_aborts_and_frees_every_block(engine):
     assert metric(engine, "pagedkv:request_success_total", finished_reason="abort") == aborted + 1
 
 
+async def test_an_aborted_request_ends_with_the_text_its_detokenizer_held_back(engine):
+    # the whole golden is a prefix of the stop string: every token's text is held back for it
+    params = SamplingParams(temperature=0, max_tokens=200, stop=[GOLDEN_COMPLETION + "!"])
+    stream = engine.add_request(GOLDEN_PROMPT_IDS, params, "held-text")
+    deltas = []
+    async for out in stream:
+        deltas.append(out)
+        if out.num_output_tokens == 5:
+            engine.abort("held-text")
+    tokens = [t for o in deltas for t in o.token_ids]
+    assert deltas[-1].finish_reason == "abort" and tokens == GOLDEN_OUTPUT_IDS[:len(tokens)]
+    assert [o.text for o in deltas[:-1]] == [""] * (len(deltas) - 1)
+    assert deltas[-1].text == engine.tokenizer.decode(GOLDEN_PROMPT_IDS + tokens)[len("Once upon a time"):]
+    assert_all_blocks_free(engine)
+
+
 async def test_requests_that_can_never_fit_are_rejected_at_once(start):
     engine = await start(num_gpu_blocks=4, max_model_len=100)
     with pytest.raises(ValueError, match="^prompt: 101 tokens is longer than max_model_len"):

@@ -145,8 +145,9 @@ async def _errors(request: web.Request, handler):
 # ---- request bodies (OpenAI names; vLLM extras) ----------------------------------------------
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
-    """``include_usage``: a last chunk with the usage; ``continuous_usage_stats`` (vLLM): every chunk
-    carries the usage so far; ``include_obfuscation`` (OpenAI's padding): only false."""
+    """``include_usage``: a last chunk with the usage; ``continuous_usage_stats`` (vLLM), with
+    ``include_usage``: every chunk carries the usage so far; ``include_obfuscation`` (OpenAI's padding):
+    only false."""
 
     include_usage: bool = False
     continuous_usage_stats: bool = False
@@ -702,9 +703,10 @@ async def _render_chat(engine, messages: list[ChatMessage] | None, add_generatio
 
 def _chunk_builder(request_id: str, obj: str, created: int, model: str, options: StreamOptions | None, usage):
     """Builds SSE chunk bodies. ``stream_options.include_usage``: each carries ``usage``, null until the
-    last, usage-only chunk; ``continuous_usage_stats``: each carries the usage so far (``usage()``)."""
+    last, usage-only chunk; with ``continuous_usage_stats`` too, each carries the usage so far
+    (``usage()``). As vLLM, ``continuous_usage_stats`` alone adds nothing."""
     include_usage = options is not None and options.include_usage
-    continuous = options is not None and options.continuous_usage_stats
+    continuous = include_usage and options.continuous_usage_stats
 
     def chunk(choices: list, final_usage: dict | None = None) -> dict:
         body = {"id": request_id, "object": obj, "created": created, "model": model, "choices": choices}

@@ -259,6 +259,8 @@ class Engine:
             raise ValueError(f"sampling: cannot be sent to the worker: {e}") from None
         if params.use_beam_search and params.stop:
             raise ValueError("stop: stop strings are not supported with beam search (EOS and max_tokens end beams)")
+        if params.use_beam_search and params.logprobs is not None:  # the beams' own logprobs pick candidates
+            raise ValueError("logprobs: not supported with beam search")
         if cache_salt is not None and not cache_salt:
             raise ValueError("cache_salt: must not be empty (omit it to share the prefix cache)")
         if cache_salt is not None:

@@ -145,11 +145,11 @@ def random_body(rng: random.Random) -> tuple[str, dict]:
     body["ignore_eos"] = rng.random() < 0.3
     body["skip_special_tokens"] = rng.random() < 0.7
     if chat:
-        if rng.random() < 0.4:
+        if rng.random() < 0.4 and not beam:  # beam search takes no logprobs (400)
             body["logprobs"] = True
             body["top_logprobs"] = rng.randint(0, 3)
     else:
-        if rng.random() < 0.4:
+        if rng.random() < 0.4 and not beam:
             body["logprobs"] = rng.randint(0, 3)
         if rng.random() < 0.2 and not beam:
             body["prompt_logprobs"] = rng.randint(0, 2)
@@ -179,7 +179,7 @@ async def sse_chunks(resp: aiohttp.ClientResponse) -> list[dict]:
 def assemble(path: str, chunks: list[dict], options: dict | None) -> dict:
     """The non-streamed response body that a stream's chunks spell."""
     include = bool(options and options.get("include_usage"))
-    continuous = bool(options and options.get("continuous_usage_stats"))
+    continuous = include and bool(options.get("continuous_usage_stats"))  # alone it adds nothing (vLLM)
     ids = {c["id"] for c in chunks}
     assert len(ids) == 1
     choices: dict[int, dict] = {}
@@ -425,7 +425,7 @@ def check_same(body: dict, options: dict | None, streamed: dict, plain: dict) ->
             assert_same_prompt_logprobs(a["prompt_logprobs"], b["prompt_logprobs"])
             n = body.get("n", 1)  # every choice of one prompt carries the same
             assert_same_prompt_logprobs(a["prompt_logprobs"], plain["choices"][a["index"] // n * n]["prompt_logprobs"])
-    if options and (options.get("include_usage") or options.get("continuous_usage_stats")):
+    if options and options.get("include_usage"):
         drop = ("prompt_tokens_details",)  # cached tokens: the second run may hit the prefix cache
         assert {k: v for k, v in streamed["usage"].items() if k not in drop} == \
             {k: v for k, v in plain["usage"].items() if k not in drop}

@@ -91,6 +91,9 @@ POISON = [  # (id, path, raw body, param named by the 400)
     ("logit-bias-key-arabic-digit", "/v1/completions", with_field("logit_bias", '{"\\u0665": 1}'), "logit_bias"),
     ("chat-top-logprobs-above-max", "/v1/chat/completions",
      '{"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 21}', "top_logprobs"),
+    ("beam-search-logprobs", "/v1/completions",
+     json.dumps({"prompt": GOLDEN_PROMPT, "use_beam_search": True, "n": 2, "logprobs": 1, "max_tokens": 4}),
+     "logprobs"),  # the hypotheses would come back with empty logprobs lists
     ("chat-top-logprobs-negative", "/v1/chat/completions",
      '{"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": -1}', "top_logprobs"),
 ]

@@ -368,6 +368,24 @@ def test_attention_backend_is_chosen_once_at_load_from_the_config():
     assert runner.cache.kernels is torch_kernels
 
 
+def test_decode_graphs_are_captured_only_over_the_triton_kernels():
+    """The PyTorch backend's forward reads lengths on the host (a boolean mask in write_kv_cache, .tolist()
+    in the batched attention): stream capture refuses that sync, so `--attention-backend torch` (or cpu)
+    on CUDA decodes eagerly instead of failing at InitCache; --enforce-eager and -tp > 1 as before."""
+    import types
+
+    from pagedkv.kernels import cpu_kernels, torch_kernels
+    from pagedkv.worker.model_runner import captures_decode_graphs
+
+    cuda, triton = torch.device("cuda"), types.ModuleType("pagedkv.kernels.triton_kernels")
+    assert captures_decode_graphs(cuda, False, 1, triton)
+    assert not captures_decode_graphs(cuda, False, 1, torch_kernels)
+    assert not captures_decode_graphs(cuda, False, 1, cpu_kernels)
+    assert not captures_decode_graphs(cuda, True, 1, triton) and not captures_decode_graphs(cuda, False, 2, triton)
+    assert not captures_decode_graphs(CPU, False, 1, triton)
+    assert not ModelRunner(EngineConfig(attention_backend="torch"), CPU, torch.float32).capture_graphs
+
+
 def _hf_logprobs(model_dir, ids: list[int]) -> torch.Tensor:
     """transformers' log-softmax ``[len(ids), vocab]`` for the token sequence ``ids`` (the oracle)."""
     import transformers

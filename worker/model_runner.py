@@ -39,6 +39,21 @@ def cpu_warm_up_tokens(model_config: ModelConfig, max_num_batched_tokens: int) -
     return max(1, min(max_num_batched_tokens, int(CPU_WARM_UP_FLOPS // flops_per_token)))
 
 
+def captures_decode_graphs(device: torch.device, enforce_eager: bool, world_size: int, kernels) -> bool:
+    """Whether decode-only steps replay captured CUDA graphs (`worker.cuda_graphs`): on CUDA, unless
+    --enforce-eager, on a single rank, with the Triton kernels (``kernels``: the model's backend module).
+
+    Under tensor parallelism decode steps run eagerly: NCCL all-reduces inside captured graphs have not
+    been checked on a multi-GPU machine here, and a wrong replay would be silent. The PyTorch backend
+    (``--attention-backend torch``, and ``cpu``, which hands CUDA tensors to it) reads lengths on the host
+    in its forward (boolean-mask indexing in write_kv_cache, ``.tolist()`` in the batched attention): a
+    device sync, which stream capture refuses (the worker failed at InitCache), and a graph would keep the
+    capture's lengths. Those backends decode eagerly.
+    """
+    return (device.type == "cuda" and not enforce_eager and world_size == 1
+            and kernels.__name__.endswith(".triton_kernels"))
+
+
 class ModelRunner:
     """Owns the model, the KV pools and the request mirror of one worker.
 
@@ -70,10 +85,9 @@ class ModelRunner:
         self._pinned = device.type == "cuda"
         self._staging: dict[torch.dtype, tuple[torch.Tensor, torch.cuda.Event]] = {}  # pinned buffer, its last copy
         self.graphs: DecodeGraphs | None = None
-        # decode CUDA graphs (on CUDA unless --enforce-eager); tests set it on CPU for the emulated path.
-        # Under tensor parallelism decode steps run eagerly: NCCL all-reduces inside captured graphs
-        # have not been checked on a multi-GPU machine here, and a wrong replay would be silent
-        self.capture_graphs = device.type == "cuda" and not engine_config.enforce_eager and tp.world_size == 1
+        # decode CUDA graphs (`captures_decode_graphs`); tests set them on CPU for the emulated path
+        self.capture_graphs = captures_decode_graphs(device, engine_config.enforce_eager, tp.world_size,
+                                                     self.model.kernels)
 
     @property
     def kv_scales_ready(self) -> bool:

@@ -132,6 +132,8 @@ def load(msg: LoadModel, rank: int = 0, world_size: int = 1, init_method: str | 
     model_config = ModelConfig.load(cfg.model)
     model_config.shard(world_size)  # an indivisible model fails here, before the group forms
     device = select_device(cfg, int(os.environ.get("LOCAL_RANK", rank)))
+    if device.type == "cuda":  # Triton launches, CUDA events and graph capture use the current device's stream
+        torch.cuda.set_device(device)  # (cuda:1 under LOCAL_RANK=1 with one rank; init_group sets it for -tp > 1)
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(cpu_compute_threads(world_size))
     if device.type == "cpu":

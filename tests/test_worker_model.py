@@ -323,7 +323,12 @@ def test_profile_run_uses_a_temporary_cache_and_leaves_no_state(stories260k, mon
     real = Sampler.sample
     monkeypatch.setattr(Sampler, "sample", lambda self, logits, batch: rows.append(
         (logits.shape[0], batch.prompt_mask is not None, batch.any_seeded, batch.any_unseeded)) or real(self, logits, batch))
+    projected = []
+    forward = runner.model.forward
+    runner.model.forward = lambda *a: projected.append(a[-1].shape[0]) or forward(*a)
     assert runner.profile_run() == (32 + 12) * runner.kv_bytes_per_block  # sequences of 512 and 188 tokens
+    # every token's logits, as a prompt-logprobs chunk of max_num_batched_tokens holds them (not 2 rows)
+    assert projected == [700]
     # the forward's two sampled rows, then the sampler alone at max_num_seqs rows with every stage on
     assert rows == [(2, False, False, True), (40, True, True, True)]
     assert runner.batch.row_of == {} and runner.batch.num_rows == 0 and runner.cache is None

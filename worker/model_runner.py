@@ -179,13 +179,17 @@ class ModelRunner:
         """One forward of ``max_num_batched_tokens`` tokens, then the sampler at ``max_num_seqs`` rows.
 
         Measures peak memory. The tokens form sequences of at most max_model_len; they use a
-        temporary KV cache, freed on return. The sampler run uses every stage (penalties, top-k,
-        top-p, min-p, seeded and unseeded draws, logprobs). Returns the temporary cache's size in
-        bytes, so the caller can subtract it from the peak.
+        temporary KV cache, freed on return. They ask for prompt logprobs, so every token is projected
+        to the vocabulary and scored, as a prompt_logprobs (or echo) request's chunk is: ``[tokens,
+        vocab]`` float32 logits and their log-softmax, at 2,048 x 128K about 2 GiB that a forward
+        sampling only each sequence's last token never holds. The sampler run uses every stage
+        (penalties, top-k, top-p, min-p, seeded and unseeded draws, logprobs). Returns the temporary
+        cache's size in bytes, so the caller can subtract it from the peak.
         """
         cfg = self.engine_config
         cache_bytes = self._dummy_prefill(cfg.max_num_batched_tokens,
-                                          SamplingParams(top_p=0.9, top_k=50, logprobs=cfg.max_logprobs))
+                                          SamplingParams(top_p=0.9, top_k=50, logprobs=cfg.max_logprobs,
+                                                         prompt_logprobs=cfg.max_logprobs))
         rows, vocab = cfg.max_num_seqs, self.model_config.vocab_size
         mixed = [SamplingParams(top_p=0.9, top_k=50, min_p=0.05, repetition_penalty=1.1, presence_penalty=0.5,
                                 frequency_penalty=0.5, logprobs=cfg.max_logprobs, seed=i if i % 2 else None)

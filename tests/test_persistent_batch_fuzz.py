@@ -498,6 +498,31 @@ def test_growing_the_rows_mid_step_keeps_the_pending_device_block_table_writes()
     assert batch.block_table_dev[:3, :2].tolist() == [[7, 0], [3, 9], [4, 0]]
 
 
+class _FirstWins:
+    """A device block table whose index_put keeps the first of repeated indices' values: one order CUDA's
+    parallel stores may take (they guarantee none), where the CPU's loop keeps the last."""
+
+    def __init__(self, table: torch.Tensor):
+        self.table = table
+
+    def __setitem__(self, index, values):
+        rows, cols = index
+        for r, c, v in reversed(list(zip(rows.tolist(), cols.tolist(), values.tolist()))):
+            self.table[r, c] = v
+
+
+def test_a_column_written_twice_before_a_flush_gets_its_last_block_on_the_device():
+    # a request sent whole in a step that computed nothing leaves its table pending; the next step replaces
+    # a column (copy-on-write) before the flush: the device must get the replacement, whatever the order
+    batch = _DeviceTable(2, 64, 16, VOCAB, CPU)
+    batch.add(NewRequestData("a", list(range(1, 21)), 20, [7, 8], 20, 0, SamplingParams()))
+    batch.append_blocks(batch.row_of["a"], [5], [(1, 9)])
+    table = batch.block_table_dev
+    batch.block_table_dev = _FirstWins(table)
+    batch.flush_block_table()
+    assert table[0, :3].tolist() == batch.block_table[0, :3].tolist() == [7, 9, 5]
+
+
 @pytest.mark.parametrize("device_table,block_size,seed,graphs,warm_up", [
     (False, 4, 1, False, None), (True, 4, 2, True, "cuda"), (True, 8, 3, False, "profile")])
 def test_persistent_batch_equals_a_rebuild_through_random_plans(stories260k, device_table, block_size, seed, graphs,

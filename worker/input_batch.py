@@ -194,8 +194,13 @@ class InputBatch:
         if self.on_cpu or not self._pending:
             self._pending = []
             return
+        # one write per (row, column), the last: index_put_ with a repeated index keeps an undefined one of
+        # its values on CUDA (parallel stores), and writes carried over from a step that computed nothing
+        # (a request sent whole with no token scheduled) may meet a copy-on-write replacement of that column
+        last = {(row, col): block for row, col, block in self._pending}
         # pageable memory: the copy has read it when `to` returns
-        writes = torch.tensor(self._pending, dtype=torch.int64).T.contiguous().to(self.device, non_blocking=True)
+        writes = torch.tensor([(r, c, b) for (r, c), b in last.items()], dtype=torch.int64).T.contiguous().to(
+            self.device, non_blocking=True)
         self.block_table_dev[writes[0], writes[1]] = writes[2].to(torch.int32)
         self._pending = []
 

@@ -2,8 +2,10 @@
 
 ``kernels``: the compiled Triton kernels against the per-sequence PyTorch oracle on CUDA in
 bf16/fp16/fp32 (random mixed decode/prefill/extend batches, the decode-only hint, split-K at long
-contexts), copy_blocks with a destination that is also a source, and a chunked prefill whose
-inputs are staged while the GPU lags behind the host.
+contexts), copy_blocks with a destination that is also a source, a chunked prefill whose
+inputs are staged while the GPU lags behind the host, decode steps replayed from captured CUDA graphs
+against eager ones, the device block table against the host's through random row moves, growth and
+repeated writes, and the memory profile's peak against a served prompt-logprobs step's.
 
 ``anatomy``: Llama-3.1-8B shapes with dummy weights (bf16), decode steps at a batch x context grid
 through `ModelRunner.execute`, eager and with CUDA graphs: wall ms per step, host ms (CPU time
@@ -87,7 +89,8 @@ def check_kernels() -> bool:
         ok &= good
         if not good:
             print(f"  FAIL copy_blocks aliasing (mapping on {'device' if on_device else 'host'})")
-    ok &= check_staging()
+    for check in (check_staging, check_graphs, check_block_table, check_profile):
+        ok &= check()
     print(f"kernels vs oracle on CUDA: {'OK' if ok else 'FAILED'}")
     return ok
 
@@ -125,6 +128,141 @@ def check_staging(device: str = "cuda") -> bool:
     good = got[0] == want[0] and all(a[0] == b[0] and abs(a[1] - b[1]) < 1e-3 for a, b in zip(got[1], want[1]))
     print(f"  staged inputs, {n // chunk} prefill chunks queued behind a busy GPU: "
           f"{'OK' if good else f'FAIL {got} != {want}'}", flush=True)
+    return good
+
+
+def check_graphs(device: str = "cuda") -> bool:
+    """Decode steps replayed from captured CUDA graphs (padded batch sizes: slot -1, seq_len 0 rows) give the
+    eager forward's tokens and logprobs, while requests join (a mixed step, eager) and leave (the batch
+    shrinks to another padded size). The embedded model, float32; on the CPU the same padded static-buffer
+    path runs eagerly (capture=False)."""
+    from pagedkv.common.config import EngineConfig, ModelConfig
+    from pagedkv.common.protocol import CachedRequestData, NewRequestData, StepPlan
+    from pagedkv.common.sampling_params import SamplingParams
+
+    from pagedkv.worker.model_runner import ModelRunner
+
+    dev = torch.device(device)
+    params = SamplingParams(temperature=0.0, max_tokens=32, logprobs=3)
+    prompts = {f"r{i}": [(11 * i + 5 * j) % 250 + 1 for j in range(9 + 7 * i)] for i in range(5)}
+    first_block = {"r0": 0, "r1": 8, "r2": 16, "r3": 24, "r4": 24}  # r4 takes the blocks r3 left
+    results, replays = [], []
+    for graphs in (False, True):
+        runner = ModelRunner(EngineConfig(enforce_eager=True, max_num_seqs=8), dev, torch.float32, ModelConfig.load(None))
+        runner.init_cache(4 * 8, 0)
+        if graphs:
+            runner.init_decode_graphs(capture=dev.type == "cuda")
+            run = runner.graphs.run
+            runner.graphs.run = lambda *a: replays.append(a[0].shape[0]) or run(*a)
+        out = []
+
+        def new(i: int) -> NewRequestData:
+            rid = f"r{i}"
+            blocks = list(range(first_block[rid], first_block[rid] + 8))
+            return NewRequestData(rid, prompts[rid], len(prompts[rid]), blocks, 0, len(prompts[rid]), params)
+
+        live = ["r0", "r1", "r2"]
+        plan = StepPlan(0, new_requests=[new(0), new(1), new(2)])
+        for step in range(1, 12):
+            result = runner.execute(plan)
+            out += [(step, t.request_id, t.token_id, t.logprob) for t in result.sampled]
+            news, gone = [], []
+            if step == 3:  # r3 joins: a mixed step (its prefill beside three decodes), eager
+                news, live = [new(3)], live + ["r3"]
+            if step == 6:  # r0 and r3 leave: 2 rows, then r4 joins: 3 rows, padded to 4
+                gone, live = ["r0", "r3"], ["r1", "r2"]
+            if step == 8:  # a padding row's last slot (r3's, at 4 rows) now lies in r4's prompt
+                news, live = [new(4)], live + ["r4"]
+            cached = [CachedRequestData(r, [], 1) for r in live if not any(n.request_id == r for n in news)]
+            plan = StepPlan(step, new_requests=news, cached_requests=cached, finished_request_ids=gone)
+        results.append(out)
+    eager, graphed = results
+    good = len(eager) == len(graphed) and len(replays) >= 5 and all(
+        a[:3] == b[:3] and abs(a[3] - b[3]) < 1e-3 for a, b in zip(eager, graphed))
+    print(f"  decode graphs ({len(replays)} replays at {sorted(set(replays))} rows) against eager steps: "
+          f"{'OK' if good else 'FAIL'}", flush=True)
+    if not good:
+        print(f"    eager   {eager}\n    graphed {graphed}", flush=True)
+    return good
+
+
+def check_block_table(device: str = "cuda") -> bool:
+    """The device block table equals the host's after each flush, through random adds, removes (the last row
+    moves), appends, copy-on-write replacements of a column already pending, and growth of the rows mid-step.
+    On the CPU the device table is emulated apart from the host's (as on CUDA)."""
+    import numpy as np
+
+    from pagedkv.common.protocol import NewRequestData
+    from pagedkv.common.sampling_params import SamplingParams
+    from pagedkv.worker.input_batch import InputBatch
+
+    dev = torch.device(device)
+
+    class Table(InputBatch):
+        on_cpu = property(lambda self: False, lambda self, value: None)  # a device table apart, even on the CPU
+
+    rng = random.Random(7)
+    batch = Table(2, 512, 16, 64, dev)
+    good, count = True, 0
+    for step in range(200):
+        for _ in range(rng.randint(0, 3)):
+            op = rng.random()
+            if batch.num_rows and op < 0.25:
+                batch.remove(rng.choice([r for r in batch.request_ids[:batch.num_rows]]))
+            elif batch.num_rows and op < 0.7:
+                row = rng.randrange(batch.num_rows)
+                nb = int(batch.num_blocks[row])
+                new = [rng.randrange(10_000) for _ in range(rng.randint(0, min(3, batch.max_blocks - nb)))]
+                replaced = [(c, rng.randrange(10_000)) for c in rng.sample(range(nb), min(nb, rng.randint(0, 3)))]
+                batch.append_blocks(row, new, replaced)
+            else:
+                count += 1
+                blocks = [rng.randrange(10_000) for _ in range(rng.randint(1, 8))]
+                batch.add(NewRequestData(f"q{count}", [1], 1, blocks, 0, 1, SamplingParams()))
+        if rng.random() < 0.7:  # else the writes wait, as after a step that computed nothing
+            batch.flush_block_table()
+            for row in range(batch.num_rows):
+                nb = int(batch.num_blocks[row])
+                good &= bool(np.array_equal(batch.block_table_dev[row, :nb].cpu().numpy(), batch.block_table[row, :nb]))
+    print(f"  device block table through 200 random steps (rows grew to {batch.capacity}): "
+          f"{'OK' if good else 'FAIL'}", flush=True)
+    return good
+
+
+def check_profile() -> bool:
+    """CUDA only: the memory profile's peak (`ModelRunner.profile_run`, less its temporary cache) covers a
+    served step that scores prompt logprobs over max_num_batched_tokens tokens (every token's logits and
+    their log-softmax; a 32K vocabulary makes those the step's largest tensors)."""
+    from pagedkv.common.config import EMBEDDED_HF_CONFIG, EngineConfig, ModelConfig
+    from pagedkv.common.protocol import NewRequestData, StepPlan
+    from pagedkv.common.sampling_params import SamplingParams
+    from pagedkv.worker.model_runner import ModelRunner
+
+    if not torch.cuda.is_available():
+        return True
+    dev = torch.device("cuda")
+    model = ModelConfig.from_hf_dict(dict(EMBEDDED_HF_CONFIG, vocab_size=32000), "profile-check", None)
+    n = 2048
+    runner = ModelRunner(EngineConfig(max_num_batched_tokens=n, max_num_seqs=16, enforce_eager=True), dev,
+                         torch.float32, model)
+
+    def peak(run) -> int:
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        extra = run()
+        torch.cuda.synchronize(dev)
+        return torch.cuda.max_memory_allocated(dev) - base - (extra or 0)
+
+    profiled = peak(runner.profile_run)
+    runner.init_cache(n // 16 + 1, 0)
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=20)
+    prompt = [(7 * j) % 31000 + 1 for j in range(n)]
+    served = peak(lambda: runner.execute(StepPlan(0, new_requests=[
+        NewRequestData("p", prompt, n, list(range(n // 16)), 0, n, params)])) and None)
+    good = served <= profiled * 1.01 + (1 << 20)
+    print(f"  memory profile {profiled / 2**20:.0f} MiB against a served {n}-token prompt-logprobs step "
+          f"{served / 2**20:.0f} MiB: {'OK' if good else 'FAIL'}", flush=True)
     return good
 
 
@@ -187,7 +325,10 @@ def anatomy(config_dir: str, grid: list[tuple[int, int]], steps: int) -> list[di
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("what", choices=["kernels", "anatomy"])
-    p.add_argument("--model-config", default=str(Path(__file__).resolve().parents[2] / "shared/model-configs/llama-3.1-8b"))
+    root = Path(__file__).resolve().parents[1]  # shared/ inside the repository (a lent GPU gets only it), or beside it
+    p.add_argument("--model-config", default=str(next(
+        (d for d in (root / "shared/model-configs/llama-3.1-8b", root.parent / "shared/model-configs/llama-3.1-8b")
+         if d.is_dir()), root.parent / "shared/model-configs/llama-3.1-8b")))
     p.add_argument("--grid", default="1x1024,16x1024,64x1024,256x1024,64x8192")
     p.add_argument("--steps", type=int, default=12)
     args = p.parse_args()

@@ -639,6 +639,11 @@ def test_gpu_checks_staging_case_runs_on_the_cpu_and_a_chunked_prefill_equals_th
     """ops/gpu_check.py's staging check (a prompt in 16 chunks that sample nothing against the prompt in
     one step, top-5 logprobs) on the CPU: the chunked path agrees, and the GPU script, run only when a
     session is lent a GPU, still fits the plan format."""
+    assert _gpu_check(monkeypatch).check_staging("cpu")
+
+
+def _gpu_check(monkeypatch):
+    """ops/gpu_check.py as a module."""
     import importlib.util
     import os
     from pathlib import Path
@@ -646,4 +651,14 @@ def test_gpu_checks_staging_case_runs_on_the_cpu_and_a_chunked_prefill_equals_th
     spec = importlib.util.spec_from_file_location("gpu_check", Path(__file__).resolve().parents[1] / "ops/gpu_check.py")
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
-    assert gpu_check.check_staging("cpu")
+    return gpu_check
+
+
+def test_gpu_checks_graph_and_block_table_cases_run_on_the_cpu(monkeypatch):
+    """ops/gpu_check.py's decode-graph check (padded replays against eager steps while requests join and
+    leave, a padding row's stale slot inside a live prompt) and device block-table check (random row
+    moves, growth, repeated writes before a flush) pass on the CPU's emulation of each, and so fit the
+    runner's and the batch's current interfaces."""
+    gpu_check = _gpu_check(monkeypatch)
+    assert gpu_check.check_graphs("cpu")
+    assert gpu_check.check_block_table("cpu")

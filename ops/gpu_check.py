@@ -139,7 +139,6 @@ def check_graphs(device: str = "cuda") -> bool:
     from pagedkv.common.config import EngineConfig, ModelConfig
     from pagedkv.common.protocol import CachedRequestData, NewRequestData, StepPlan
     from pagedkv.common.sampling_params import SamplingParams
-
     from pagedkv.worker.model_runner import ModelRunner
 
     dev = torch.device(device)

@@ -308,6 +308,31 @@ def _decode_split(num_seqs: int, num_kv_heads: int, max_context: int, tile_n: in
     return partition, triton.cdiv(max_context, partition)
 
 
+def warm_up_split_k_reduce(num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> list[int]:
+    """Compile `_decode_reduce_kernel` for every partition count `_decode_split` can choose, so none
+    compiles mid-serving: its ``PARTS_PAD`` (a power of two, 2 to ``_MAX_PARTITIONS``) follows the
+    batch's size and context, and a warm-up decode meets one. One decode sequence of length 1 per
+    launch (the kernel returns at once; only the compile matters). ``num_heads`` (this rank's),
+    ``head_dim`` and ``dtype`` (the attention output's) are those of serving, as the kernel is
+    specialized on them. Returns the PARTS_PAD values launched.
+    """
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    out = torch.empty(1, num_heads, head_dim, dtype=dtype, device=device)
+    seq_lens = torch.ones(1, dtype=torch.int32, device=device)
+    query_start_loc = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    launched = []
+    parts = 2
+    while parts <= _MAX_PARTITIONS:
+        part_m = torch.zeros(1, num_heads, parts, dtype=torch.float32, device=device)
+        part_acc = torch.zeros(1, num_heads, parts, head_dim_pad, dtype=torch.float32, device=device)
+        _decode_reduce_kernel[(1, num_heads)](
+            out, seq_lens, query_start_loc, part_m, part_m, part_acc, num_heads, parts, 1, *out.stride(),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, PARTS_PAD=parts, num_warps=4)
+        launched.append(parts)
+        parts *= 2
+    return launched
+
+
 def _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out):
     if q.dim() != 3 or k_cache.dim() != 4:
         raise ValueError(f"q must be [num_tokens, num_heads, head_dim] and k_cache "

@@ -6,8 +6,8 @@ PyTorch ops. On CPU these run only under ``TRITON_INTERPRET=1``, which must be s
 """
 
 from pagedkv.kernels.reference import rms_norm, rotary_embedding, silu_and_mul, swap_blocks
-from pagedkv.kernels.triton_attention import paged_attention
+from pagedkv.kernels.triton_attention import paged_attention, warm_up_split_k_reduce
 from pagedkv.kernels.triton_cache import copy_blocks, write_kv_cache
 
 __all__ = ["paged_attention", "write_kv_cache", "copy_blocks", "swap_blocks", "rms_norm", "rotary_embedding",
-           "silu_and_mul"]
+           "silu_and_mul", "warm_up_split_k_reduce"]

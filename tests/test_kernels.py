@@ -222,6 +222,30 @@ def test_split_k_follows_context_length_as_well_as_batch_size():
     assert split(4, 8, 8192, tile, num_sms=132) == (8 * tile, 16)
 
 
+def test_the_warm_up_compiles_the_split_k_reduce_at_every_partition_count_split_k_can_choose(monkeypatch):
+    """The reduce kernel is specialized on PARTS_PAD (the partition count's power of two), which follows
+    the batch and its context: the warm-up must launch every value `_decode_split` can give, on any GPU
+    size, or the first batch needing another one compiles it mid-serving (about a second)."""
+    mod = sys.modules["pagedkv.kernels.triton_attention"]
+    chosen = set()
+    for sms in (1, 16, 108, 132, 170):
+        for num_seqs in (1, 2, 3, 7, 16, 64, 256):
+            for kv_heads in (1, 2, 4, 8):
+                for context in (1, 64, 255, 256, 1000, 4096, 8192, 32768, 131072):
+                    for tile in (32, 64):
+                        partition, parts = mod._decode_split(num_seqs, kv_heads, context, tile, sms)
+                        assert parts <= mod._MAX_PARTITIONS and partition * parts >= context
+                        if parts > 1:
+                            chosen.add(mod.triton.next_power_of_2(parts))
+    launches = []
+    real = mod._decode_reduce_kernel
+    monkeypatch.setattr(mod, "_decode_reduce_kernel", type("Spy", (), {"__getitem__": lambda self, grid: (
+        lambda *a, **kw: (launches.append(kw["PARTS_PAD"]), real[grid](*a, **kw)))})())
+    launched = triton_kernels.warm_up_split_k_reduce(4, 24, torch.float32, torch.device("cpu"))
+    assert launched == launches == [2, 4, 8, 16, 32, 64]
+    assert chosen == set(launched)  # every value split-K chooses is warmed, and only those
+
+
 def test_decode_only_hint_skips_the_prefill_launch_and_keeps_the_result(monkeypatch):
     args = make_batch([1, 1, 1], [30, 300, 5], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
                       dtype=torch.float32, seed=12)

@@ -123,8 +123,9 @@ class ModelRunner:
         default: off CUDA). Returns the CPU warm-up's prefill tokens (0 for CUDA's, or none).
 
         CUDA: run every kernel variant serving launches once, so none compiles mid-serving: a prefill
-        long enough for split-K, a decode-only step over it (partials and their reduce) and a block
-        copy, on a temporary cache; greedy, so no random draw is consumed.
+        long enough for split-K, a decode-only step over it (partials and their reduce), a block copy,
+        on a temporary cache, and the split-K reduce at every other partition count; greedy, so no
+        random draw is consumed.
         CPU: one prefill of `cpu_warm_up_tokens` tokens, greedy. glibc's heap grows to that step's activations
         once (its page faults; `host_memory.reuse_freed_host_memory` keeps them for later steps), and
         MKL and the C kernels set themselves up. stories260K's first served conv replay after start
@@ -147,6 +148,9 @@ class ModelRunner:
                                                                     greedy)]), cache)
             self._execute(StepPlan(-3, cached_requests=[CachedRequestData("warm-up", [], 1)]), cache)
             cache.copy([(0, nb), (nb, 0)])
+            if hasattr(self.model.kernels, "warm_up_split_k_reduce"):  # the decode met one partition count
+                attn = self.model.model.layers[0].self_attn
+                self.model.kernels.warm_up_split_k_reduce(attn.num_heads, attn.head_dim, self.dtype, self.device)
         finally:
             self.batch.remove("warm-up")
             self.model.kv_scales = scales

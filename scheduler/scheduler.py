@@ -247,8 +247,9 @@ class Scheduler:
                 self.swapped.remove(req)
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
-                if n:
-                    assert self.kv.allocate_slots(req, n) is not None, "blocks were counted before allocation"
+                if n:  # allocated outside the assert: `python -O` strips asserts, and with them the call
+                    new_blocks = self.kv.allocate_slots(req, n)
+                    assert new_blocks is not None, "blocks were counted before allocation"
                     step.num_scheduled[req.request_id] = n
                     step.new_reqs.append(self._new_request_data(req, n))
                 step.resumptions.append(Resumption(req.request_id, "swap_in", len(req.block_table), time.monotonic()))

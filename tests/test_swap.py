@@ -8,6 +8,9 @@ is recomputed instead. The engine tests run the real stories260K model.
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -136,6 +139,41 @@ def test_the_victim_is_swapped_out_whole_and_resumes_where_it_stopped():
     assert s.kv.num_free_blocks == 4 and s.kv.swap.num_free_cpu_blocks == 8 and not s.swapped
     s.kv.pool.check_invariants([])
     s.kv.swap.check_invariants()
+
+
+def test_a_swap_in_takes_the_blocks_of_its_step_with_asserts_stripped():
+    # The scenario above under `python -O`, which strips assert statements: the swap-in allocated
+    # the step's new block inside an assert, so with -O 'new' resumed with [1, 3] and its ninth
+    # token had no block (the worker fails the step; a shared block would be written uncopied).
+    # Found by tests/test_scheduler_exact_outputs.py run with -O.
+    code = textwrap.dedent("""
+        from pagedkv.common.sampling_params import SamplingParams
+        from pagedkv.scheduler.kv_cache_manager import KVCacheManager
+        from pagedkv.scheduler.preemption import PreemptionPolicy
+        from pagedkv.scheduler.request import Request, RequestStatus
+        from pagedkv.scheduler.scheduler import Scheduler
+
+        kv = KVCacheManager(4, 4, enable_prefix_caching=False, num_cpu_blocks=8)
+        s = Scheduler(kv, 8, 64, PreemptionPolicy("swap", "fcfs", kv_bytes_per_block=1024))
+        s.add(Request("old", [1] * 4, SamplingParams(max_tokens=8)))
+        s.add(Request("new", [2] * 4, SamplingParams(max_tokens=8)))
+        while True:
+            step = s.schedule()
+            s.advance(step)
+            for rid in step.num_scheduled_tokens:
+                req = s.requests[rid]
+                if req.num_computed_tokens == req.num_tokens:
+                    req.token_ids.append(7)
+                    if req.num_output_tokens >= req.sampling.max_tokens:
+                        s.finish(req, RequestStatus.FINISHED_LENGTH)
+            if step.plan.blocks_to_swap_in:
+                (resumed,) = step.plan.new_requests
+                print(resumed.request_id, resumed.num_scheduled_tokens, resumed.block_ids)
+                break
+    """)
+    run = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "new 1 [1, 3, 2]"
 
 
 def test_swapped_requests_resume_before_waiting_requests_are_admitted():

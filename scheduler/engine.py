@@ -218,6 +218,8 @@ class Engine:
         request_id = request_id or f"cmpl-{uuid.uuid4().hex}"
         if request_id in self.output.streams:
             raise ValueError(f"request_id: {request_id!r} is already running")
+        if taken := next((i for i in self.output.sequence_ids(request_id, params) if i in self.output.owner), None):
+            raise ValueError(f"request_id: {request_id!r} would name sequence {taken!r}, which a running request holds")
         stream, members = self.output.add(request_id, prompt_token_ids, params, time.monotonic(), priority,
                                           cache_salt)
         stream.prompt_only = prompt_only

@@ -84,6 +84,7 @@ class RequestStream:
         self.members: list[Request] = []  # every sequence ever created for it
         self.beam: BeamSearch | None = None
         self.num_beam_output_tokens = 0  # beam search: the output tokens of the hypotheses returned
+        self.next_beam = 1  # beam search: the next beam's id suffix (beam0 leads; ids are never reused)
         self.arrival_time = arrival_time
         self.first_token_time: float | None = None
         self.last_token_time = arrival_time
@@ -140,18 +141,18 @@ class OutputProcessor:
             self._register(stream, req)
             return req
 
+        ids = self.sequence_ids(request_id, params)
         if params.use_beam_search:
             # as transformers: keep max(2, 1 + #eos) x width candidates, so width survive the EOS ones
             keep = max(2, 1 + len(self.tokenizer.eos_token_ids)) * params.n
             beam_params = SamplingParams(temperature=0, max_tokens=params.max_tokens, logprobs=keep,
                                          use_beam_search=True, ignore_eos=True)
-            leader = member(f"{request_id}-beam0", beam_params, 0)
+            leader = member(ids[0], beam_params, 0)
             stream.beam = BeamSearch(params.n, params.max_tokens, params.length_penalty, params.early_stopping,
                                      self.tokenizer.eos_token_ids, len(prompt_token_ids), leader.request_id)
             members = [leader]
         else:
-            members = [member(request_id if params.n == 1 else f"{request_id}-{i}",
-                              msgspec.structs.replace(params, n=1, seed=child_seed(params.seed, i)), i)
+            members = [member(ids[i], msgspec.structs.replace(params, n=1, seed=child_seed(params.seed, i)), i)
                        for i in range(params.n)]
             for req in members:
                 stream.detoks[req.index] = IncrementalDetokenizer(
@@ -162,6 +163,14 @@ class OutputProcessor:
             members = members[:1]
         self.streams[request_id] = stream
         return stream, members
+
+    @staticmethod
+    def sequence_ids(request_id: str, params: SamplingParams) -> list[str]:
+        """The ids of a request's first sequences: its own for n = 1, ``<id>-<i>`` for each of n > 1,
+        ``<id>-beam0`` for beam search (later beams take the next free ``<id>-beam<k>``)."""
+        if params.use_beam_search:
+            return [f"{request_id}-beam0"]
+        return [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
 
     def _register(self, stream: RequestStream, req: Request) -> None:
         stream.members.append(req)
@@ -236,10 +245,13 @@ class OutputProcessor:
                 parent.unsent_token_ids.append(token)
                 search.set_beam(parent_id, cum)
                 continue
-            child = Request(f"{stream.request_id}-beam{len(stream.members)}", parent.prompt_token_ids,
+            while f"{stream.request_id}-beam{stream.next_beam}" in self.owner:  # another request's sequence
+                stream.next_beam += 1
+            child = Request(f"{stream.request_id}-beam{stream.next_beam}", parent.prompt_token_ids,
                             parent.sampling, stream.arrival_time, parent.priority, parent.cache_salt,
                             parent.group, len(stream.members), parent.group_width)
             child.token_ids = bases[parent_id] + [token]
+            stream.next_beam += 1
             self._register(stream, child)
             self.scheduler.fork(parent, [child])
             search.set_beam(child.request_id, cum)

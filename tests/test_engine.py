@@ -113,6 +113,36 @@ async def test_an_aborted_request_ends_with_the_text_its_detokenizer_held_back(e
     assert_all_blocks_free(engine)
 
 
+async def _by_choice(stream) -> dict[int, list[int]]:
+    tokens: dict[int, list[int]] = {}
+    async for out in stream:
+        tokens.setdefault(out.index, []).extend(out.token_ids)
+    return tokens
+
+
+async def test_a_request_id_naming_a_running_sequence_is_refused_and_beams_skip_taken_ids(engine):
+    """Sequence ids come from the request id (``<id>-<i>`` for n > 1, ``<id>-beam<k>`` for beams). A new
+    request whose sequences would take a running request's id is a ValueError naming request_id (it
+    overwrote that sequence's bookkeeping, and the engine loop crashed, failing every request); a new
+    beam takes the next free id. Either way each request gives what it gives alone."""
+    pair = SamplingParams(temperature=0, max_tokens=8, n=2)
+    beams = SamplingParams(n=2, use_beam_search=True, max_tokens=8)
+    alone_pair = await _by_choice(engine.add_request(GOLDEN_PROMPT_IDS, pair, "alone-pair"))
+    alone_beams = await _by_choice(engine.add_request(GOLDEN_PROMPT_IDS, beams, "alone-beams"))
+    a1 = engine.add_request(GOLDEN_PROMPT_IDS, GREEDY, "a-1")
+    with pytest.raises(ValueError, match="^request_id: 'a' would name sequence 'a-1', which a running request holds"):
+        engine.add_request(GOLDEN_PROMPT_IDS, pair, "a")
+    b = engine.add_request(GOLDEN_PROMPT_IDS, pair, "b")
+    with pytest.raises(ValueError, match="^request_id: 'b-0' would name sequence 'b-0'"):
+        engine.add_request(GOLDEN_PROMPT_IDS, GREEDY, "b-0")
+    c1 = engine.add_request(GOLDEN_PROMPT_IDS, GREEDY, "c-beam1")  # the id c's first forked beam would take
+    c = engine.add_request(GOLDEN_PROMPT_IDS, beams, "c")
+    got = await asyncio.gather(collect(a1), _by_choice(b), collect(c1), _by_choice(c))
+    assert got[0][0] == got[2][0] == GOLDEN_OUTPUT_IDS
+    assert got[1] == alone_pair and got[3] == alone_beams
+    assert_all_blocks_free(engine)
+
+
 async def test_requests_that_can_never_fit_are_rejected_at_once(start):
     engine = await start(num_gpu_blocks=4, max_model_len=100)
     with pytest.raises(ValueError, match="^prompt: 101 tokens is longer than max_model_len"):

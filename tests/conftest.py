@@ -5,6 +5,7 @@ Tests that need stories260K fail (never skip) when it is missing, as the CI cont
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import sys
@@ -162,6 +163,47 @@ def record_plans(engine) -> list:
 
     engine.client.submit = recording
     return plans
+
+
+class Violation(AssertionError):
+    """A broken invariant of the engine's bookkeeping (the randomized scheduler tests)."""
+
+
+async def run_engine_until_idle(engine, worker, last_due: int, arrive) -> None:
+    """Run ``engine``'s loop (its ``_wake`` a `WatchedEvent`) over a fake ``worker`` counting ``steps``
+    until the loop sleeps with no request left and no arrival due after step ``last_due``.
+    ``arrive(step)`` lets a step's arrivals in: step 0's once the loop's task exists (in
+    ``engine._task``), then each step that passes while the loop sleeps before ``last_due``. Raises
+    Violation when the loop ends or fails, or sleeps with requests left."""
+    engine._task = asyncio.create_task(engine._loop())
+    arrive(0)
+    while True:
+        await asyncio.sleep(0)
+        if engine._task.done():
+            engine._task.result()
+            raise Violation(f"engine loop ended: {engine._error}")
+        if engine._error is not None:
+            raise Violation(engine._error)
+        if engine._wake.sleeping and not engine._wake.is_set():
+            if engine.scheduler.requests:
+                raise Violation(f"the loop sleeps with {sorted(engine.scheduler.requests)} left")
+            if worker.steps >= last_due:
+                return
+            worker.steps += 1  # idle: let time pass for the next arrival
+            arrive(worker.steps)
+
+
+class WatchedEvent(asyncio.Event):
+    """An engine loop's wake-up event (``engine._wake``) that records when the loop sleeps on it."""
+
+    sleeping = False
+
+    async def wait(self):
+        self.sleeping = True
+        try:
+            return await super().wait()
+        finally:
+            self.sleeping = False
 
 
 def assert_all_blocks_free(engine) -> None:

@@ -60,7 +60,8 @@ from pagedkv.scheduler.kv_cache_manager import KVCacheManager
 from pagedkv.scheduler.request import RequestStatus
 from pagedkv.scheduler.tokenizer import Tokenizer
 from pagedkv.scheduler.worker_client import WorkerFailed
-from conftest import GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS, assert_all_blocks_free
+from conftest import (GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT_IDS, Violation, WatchedEvent, assert_all_blocks_free,
+                      run_engine_until_idle)
 
 MODEL = ModelConfig.load(None)  # the embedded byte-level model: vocab 258, EOS 257
 TOKENIZER = Tokenizer.load(MODEL)
@@ -71,10 +72,6 @@ MAX_MODEL_LEN = 64
 MAX_STEPS_WITHOUT_PROGRESS = 100
 NUM_SEEDS = 100  # workloads, over 4 tests
 STATES = ("waiting", "forking", "swapped", "running", "ahead")  # abort targets (`drive`)
-
-
-class Violation(AssertionError):
-    pass
 
 
 def _digest(*parts: int | list[int]) -> int:
@@ -232,19 +229,6 @@ class ModelWorker:
         pass
 
 
-class WatchedEvent(asyncio.Event):
-    """The engine loop's wake-up event, recording when the loop sleeps on it."""
-
-    sleeping = False
-
-    async def wait(self):
-        self.sleeping = True
-        try:
-            return await super().wait()
-        finally:
-            self.sleeping = False
-
-
 def check_state(engine: Engine, where: str) -> None:
     """Every bookkeeping invariant that must hold between the loop's actions."""
     s, kv, bs = engine.scheduler, engine.kv, engine.kv.block_size
@@ -400,22 +384,7 @@ async def drive(engine: Engine, worker: ModelWorker, arrivals: list, aborts: dic
 
     last_due = max([a[0] for a in arrivals] + list(aborts) + [0])
     worker.on_step = on_step
-    engine._task = asyncio.create_task(engine._loop())
-    on_step(None)  # arrivals at step 0
-    while True:
-        await asyncio.sleep(0)
-        if engine._task.done():
-            engine._task.result()
-            raise Violation(f"engine loop ended: {engine._error}")
-        if engine._error is not None:
-            raise Violation(engine._error)
-        if engine._wake.sleeping and not engine._wake.is_set():
-            if engine.scheduler.requests:
-                raise Violation(f"the loop sleeps with {sorted(engine.scheduler.requests)} left")
-            if worker.steps >= last_due:
-                break
-            worker.steps += 1  # idle: let time pass for the next arrival
-            on_step(None)
+    await run_engine_until_idle(engine, worker, last_due, lambda step: on_step(None))
     if engine.output.streams:
         raise Violation(f"the loop sleeps with streams {sorted(engine.output.streams)} not ended")
     await asyncio.gather(*consumers)

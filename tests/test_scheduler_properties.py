@@ -38,15 +38,12 @@ from pagedkv.scheduler.engine import Engine
 from pagedkv.scheduler.kv_cache_manager import KVCacheManager
 from pagedkv.scheduler.request import RequestStatus
 from pagedkv.scheduler.tokenizer import Tokenizer
+from conftest import Violation, WatchedEvent, run_engine_until_idle
 
 MODEL = ModelConfig.load(None)  # the embedded byte-level model: vocab 258, EOS 257
 TOKENIZER = Tokenizer.load(MODEL)
 EOS = 257
 MAX_STEPS_WITHOUT_PROGRESS = 200
-
-
-class Violation(AssertionError):
-    pass
 
 
 class FakeWorker:
@@ -145,19 +142,6 @@ class FakeWorker:
         pass
 
 
-class WatchedEvent(asyncio.Event):
-    """The engine loop's wake-up event, recording when the loop sleeps on it."""
-
-    sleeping = False
-
-    async def wait(self):
-        self.sleeping = True
-        try:
-            return await super().wait()
-        finally:
-            self.sleeping = False
-
-
 def make_engine(cfg: EngineConfig, num_gpu_blocks: int, num_cpu_blocks: int, seed: int, eos_rate: float):
     ref: list = []
     worker = FakeWorker(ref, cfg.block_size, seed, eos_rate)
@@ -239,22 +223,7 @@ async def drive(engine: Engine, worker: FakeWorker, arrivals: list, aborts: dict
     last_due = max([a[0] for a in arrivals] + list(aborts) + [0])
     hook = worker.on_step
     worker.on_step = lambda plan: (hook(plan) if hook else None, submit(worker.steps))
-    engine._task = asyncio.create_task(engine._loop())
-    submit(0)
-    while True:
-        await asyncio.sleep(0)
-        if engine._task.done():
-            engine._task.result()
-            raise Violation(f"engine loop ended: {engine._error}")
-        if engine._error is not None:
-            raise Violation(engine._error)
-        if engine._wake.sleeping and not engine._wake.is_set():
-            if engine.scheduler.requests:
-                raise Violation(f"the loop sleeps with {len(engine.scheduler.requests)} requests left")
-            if worker.steps >= last_due:
-                break
-            worker.steps += 1  # idle: let time pass for the next arrival
-            submit(worker.steps)
+    await run_engine_until_idle(engine, worker, last_due, submit)
     await asyncio.gather(*consumers)
     engine._task.cancel()
     return outcome

@@ -571,7 +571,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", formatter_class=_HelpFormatter, help="serve the OpenAI-compatible HTTP API",
                            description="Serve the OpenAI-compatible API (/v1/completions, /v1/chat/completions, "
-                                       "/v1/models, /tokenize, /detokenize, /version, /health, /metrics, /kv_cache).")
+                                       "/v1/models, /tokenize, /detokenize, /tokenizer_info, /version, /health, "
+                                       "/metrics, /kv_cache, /kv_cache/advice, /kv_cache/ui).")
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                        help="checkpoint directory, as vLLM's `serve MODEL` (same as --model)")
     _add_engine_args(serve)

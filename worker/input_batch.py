@@ -52,7 +52,8 @@ class InputBatch:
         self.row_of: dict[str, int] = {}
         self.params: list[SamplingParams | None] = []
         self.capacity = 0
-        self._pending: list[tuple[int, int, int]] = []  # (row, column, block) writes for the device table
+        # the device table's writes since its last flush: (row, column) -> block, so the last write to a cell wins
+        self._pending: dict[tuple[int, int], int] = {}
         self._allocate(capacity)
 
     # ---- storage -------------------------------------------------------------------------------
@@ -116,7 +117,7 @@ class InputBatch:
         self.block_table[row, :n_blk] = new.block_ids
         self.num_blocks[row] = n_blk
         if not self.on_cpu:
-            self._pending += [(row, col, b) for col, b in enumerate(new.block_ids)]
+            self._pending.update(((row, col), b) for col, b in enumerate(new.block_ids))
         p = new.sampling
         self.params[row] = p
         for name, _, _ in _KNOBS:
@@ -154,9 +155,9 @@ class InputBatch:
             self.request_ids[row], self.params[row] = self.request_ids[last], self.params[last]
             self.row_of[self.request_ids[row]] = row
             if not self.on_cpu:  # pending writes to the moved row follow it
-                self._pending = [(row if r == last else r, c, b) for r, c, b in self._pending if r != row]
+                self._pending = {(row if r == last else r, c): b for (r, c), b in self._pending.items() if r != row}
         elif not self.on_cpu:
-            self._pending = [w for w in self._pending if w[0] != row]
+            self._pending = {cell: b for cell, b in self._pending.items() if cell[0] != row}
         self.request_ids[last], self.params[last] = None, None
         self.num_rows = last
 
@@ -165,7 +166,7 @@ class InputBatch:
         for index, block in replaced:
             self.block_table[row, index] = block
             if not self.on_cpu:
-                self._pending.append((row, index, block))
+                self._pending[row, index] = block
         if block_ids:
             nb = int(self.num_blocks[row])
             if nb + len(block_ids) > self.max_blocks:
@@ -174,7 +175,7 @@ class InputBatch:
             self.block_table[row, nb:nb + len(block_ids)] = block_ids
             self.num_blocks[row] = nb + len(block_ids)
             if not self.on_cpu:
-                self._pending += [(row, nb + i, b) for i, b in enumerate(block_ids)]
+                self._pending.update(((row, nb + i), b) for i, b in enumerate(block_ids))
 
     def append_tokens(self, row: int, token_ids: list[int]) -> None:
         """Append tokens the control plane chose (beam search) to a row."""
@@ -192,17 +193,15 @@ class InputBatch:
     def flush_block_table(self) -> None:
         """Send the step's block-table writes to the device copy (no-op on CPU, where they are one)."""
         if self.on_cpu or not self._pending:
-            self._pending = []
+            self._pending = {}
             return
-        # one write per (row, column), the last: index_put_ with a repeated index keeps an undefined one of
-        # its values on CUDA (parallel stores), and writes carried over from a step that computed nothing
-        # (a request sent whole with no token scheduled) may meet a copy-on-write replacement of that column
-        last = {(row, col): block for row, col, block in self._pending}
-        # pageable memory: the copy has read it when `to` returns
-        writes = torch.tensor([(r, c, b) for (r, c), b in last.items()], dtype=torch.int64).T.contiguous().to(
-            self.device, non_blocking=True)
+        # one write per cell (index_put_ with a repeated index keeps an undefined one of its values on CUDA):
+        # writes left from a step that computed nothing may meet a copy-on-write of that column.
+        # Pageable memory: the copy has read it when `to` returns.
+        writes = torch.tensor([(r, c, b) for (r, c), b in self._pending.items()], dtype=torch.int64)
+        writes = writes.T.contiguous().to(self.device, non_blocking=True)
         self.block_table_dev[writes[0], writes[1]] = writes[2].to(torch.int32)
-        self._pending = []
+        self._pending = {}
 
     # ---- sampling ------------------------------------------------------------------------------
 

@@ -578,6 +578,12 @@ class Engine:
         if self.tracer is not None:
             for r in step.resumptions:
                 self.tracer.resume(r.request_id, r.mode, r.num_blocks, r.time)
+                # a group preempted by recompute resumes through its leader (the siblings fork from it
+                # and get no Resumption of their own): their spans end with it, or a later preemption
+                # of a sibling would replace its still-open span, which then never ends nor exports
+                if (req := self.scheduler.requests.get(r.request_id)) is not None:
+                    for sibling in req.pending_forks:
+                        self.tracer.resume(sibling.request_id, r.mode, 0, r.time)
 
     def _apply_aborts(self) -> None:
         for rid in self._aborts:

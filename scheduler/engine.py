@@ -604,7 +604,10 @@ class Engine:
                 stream.first_token_time = now
                 self.metrics.on_admitted(req.num_prompt_tokens, req.num_cached_tokens)
             if not stream.prompt_only:  # its one sampled token is dropped (echo, max_tokens 0): no output
-                self.metrics.on_token(first, now - stream.last_token_time)
+                # one latency per request per step, as vLLM: siblings (n > 1, beams) sampled in the same
+                # step count their tokens but observe no 0 s inter-token latency
+                self.metrics.on_token(first, None if not first and now == stream.last_token_time
+                                      else now - stream.last_token_time)
             stream.last_token_time = now
             if (status := self.output.process(stream, req, sampled)) is not None:
                 self._close(stream, status)

@@ -81,10 +81,12 @@ class Metrics:
         self.prefix_cache_queries.labels(**self._l).inc(num_prompt_tokens)
         self.prefix_cache_hits.labels(**self._l).inc(num_cached_tokens)
 
-    def on_token(self, first: bool, latency: float) -> None:
-        """One output token; latency: seconds since arrival (the first token) or since the previous one."""
+    def on_token(self, first: bool, latency: float | None) -> None:
+        """One output token; latency: seconds since arrival (the first token) or since the previous one,
+        None for a sibling's token of a step whose latency was observed already (counted, not observed)."""
         self._generation_tokens.inc()
-        (self._ttft if first else self._itl).observe(latency)
+        if latency is not None:
+            (self._ttft if first else self._itl).observe(latency)
 
     def on_finished(self, reason: str, e2e_seconds: float) -> None:
         self.request_success.labels(finished_reason=reason, **self._l).inc()

@@ -114,3 +114,13 @@ async def test_metric_totals_gauges_and_preempt_spans_match_a_random_mix(stories
 def _owner(sequence_id: str, streams: dict) -> str:
     return next(rid for rid, s in streams.items() if any(r.request_id == sequence_id for r in s.members))
 
+
+async def test_siblings_sampled_in_one_step_observe_one_inter_token_latency(start):
+    engine = await start()
+    params = SamplingParams(n=3, temperature=1.0, seed=0, max_tokens=10, ignore_eos=True)
+    outs = [o async for o in engine.add_request(GOLDEN_PROMPT_IDS, params, "siblings")]
+    assert sum(len(o.token_ids) for o in outs) == 30
+    assert metric(engine, "pagedkv:generation_tokens_total") == 30
+    assert metric(engine, "pagedkv:time_to_first_token_seconds_count") == 1
+    # 10 steps: one latency between each two, none of 0 s for the siblings' tokens of the same step
+    assert metric(engine, "pagedkv:inter_token_latency_seconds_count") == 9

@@ -266,6 +266,46 @@ class EngineConfig(msgspec.Struct):
     k_scale: float | None = None
     v_scale: float | None = None
 
+    def validate(self) -> None:
+        """Check every field's type and range as the ``pagedkv serve`` flags do, before a worker starts.
+
+        Raises TypeError("<field>: ...") for a value of the wrong type and ValueError("<field>: ...")
+        for one out of range or not among the choices (the `LLM` constructor's engine arguments
+        come here unchecked by argparse).
+        """
+        try:
+            msgspec.convert(msgspec.structs.asdict(self), type(self))
+        except msgspec.ValidationError as e:
+            where = str(e).rpartition("`$.")[2].split("`")[0].split("[")[0]
+            raise TypeError(f"{where}: {str(e).split(' - at ')[0]}") from None
+
+        def check(field: str, ok: bool, want: str) -> None:
+            if not ok:
+                raise ValueError(f"{field}: must be {want}, got {getattr(self, field)!r}")
+
+        for field, lo in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("max_n", 1), ("max_choices", 1),
+                          ("max_stop", 0), ("max_logprobs", 0), ("max_worker_restarts", 0),
+                          ("stream_interval", 1), ("tensor_parallel_size", 1)):
+            check(field, getattr(self, field) >= lo, f">= {lo}")
+        for field in ("num_gpu_blocks", "max_model_len"):
+            check(field, getattr(self, field) is None or getattr(self, field) >= 1, "None or >= 1")
+        b = self.block_size
+        check("block_size", 1 <= b <= 256 and not b & (b - 1), "a power of two between 1 and 256")
+        check("seed", 0 <= self.seed < 2**63, "between 0 and 2**63 - 1")
+        check("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "> 0 and <= 1")
+        check("cpu_kv_cache_space", 0 < self.cpu_kv_cache_space < float("inf"), "> 0 (GiB) and finite")
+        check("swap_space", 0 <= self.swap_space < float("inf"), ">= 0 (GiB) and finite")
+        check("worker_timeout", 0 < self.worker_timeout < float("inf"), "> 0 (seconds) and finite")
+        for field in ("k_scale", "v_scale"):
+            v = getattr(self, field)
+            check(field, v is None or 0 < v < float("inf"), "None or > 0 and finite")
+        for field, choices in (("load_format", ("auto", "dummy")), ("dtype", ("auto", "float32", "float16", "bfloat16")),
+                               ("device", ("auto", "cpu", "cuda")), ("prefix_caching_hash_algo", ("sha256", "xxhash")),
+                               ("attention_backend", (None, "cpu", "torch", "triton")),
+                               ("preemption_mode", ("recompute", "swap", "auto")),
+                               ("scheduling_policy", ("fcfs", "priority")), ("kv_cache_dtype", KV_CACHE_DTYPES)):
+            check(field, getattr(self, field) in choices, f"one of {', '.join(map(str, choices))}")
+
 
 def read_json(path: str):
     """Parse a JSON file; {} when it does not exist. Raises ValueError naming the file when it is not JSON."""

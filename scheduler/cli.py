@@ -57,6 +57,8 @@ def _float_in(lo: float, hi: float | None = None, lo_open: bool = False):
             low = f"> {lo}" if lo_open else f">= {lo}"
             raise argparse.ArgumentTypeError(f"must be {low}" + (f" and <= {hi}" if hi is not None else "")
                                              + f", got {s}")
+        if v == float("inf"):  # --swap-space inf crashed in int(); --k-scale inf scaled every value to inf
+            raise argparse.ArgumentTypeError(f"must be finite, got {s}")
         return v
     return parse
 

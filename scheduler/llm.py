@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import os
 import threading
 from dataclasses import dataclass, field
 
@@ -90,7 +91,10 @@ class LLM:
 
         if engine_args.get("chat_template") is not None:
             engine_args["chat_template"] = load_chat_template(engine_args["chat_template"])
+        if isinstance(model, os.PathLike):
+            model = os.fspath(model)
         config = EngineConfig(model=model, **engine_args)
+        config.validate()  # a bad value is named here, not hit by the worker (or hung on)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="pagedkv-llm", daemon=True)
         self._thread.start()

@@ -57,6 +57,11 @@ BAD_FLAGS = [
     (["--api-key", ""], "--api-key: keys must not be empty"),
     (["--max-choices", "0"], "argument --max-choices: must be >= 1, got 0"),
     (["--stream-interval", "0"], "argument --stream-interval: must be >= 1, got 0"),
+    # inf passed the range checks: --swap-space inf was an OverflowError traceback (exit 1), --k-scale inf
+    # scaled every cached value to inf
+    (["--swap-space", "inf"], "argument --swap-space: must be finite, got inf"),
+    (["--cpu-kv-cache-space", "inf"], "argument --cpu-kv-cache-space: must be finite, got inf"),
+    (["--kv-cache-dtype", "fp8", "--k-scale", "inf"], "argument --k-scale: must be finite, got inf"),
 ]
 
 

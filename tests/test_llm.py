@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -116,3 +117,39 @@ def test_prompt_logprobs_and_stop_reason_in_the_offline_outputs(llm):
     [c] = out.outputs
     assert (c.finish_reason, c.stop_reason) == ("stop", "Lily")  # the second "Lily", at the golden's end
     assert c.text == GOLDEN_COMPLETION[len(", there was a little girl named Lily"):].removesuffix("Lily")
+
+
+@pytest.mark.parametrize("engine_args,error,message", [
+    # none of these was checked before the worker started: max_num_batched_tokens=0 and block_size="16"
+    # hung generate() for ever, block_size=0 and max_num_seqs=0 were a WorkerFailed from a worker
+    # traceback, block_size=3 (no kernel takes it), gpu_memory_utilization=2 and num_gpu_blocks=0
+    # (silently "size from memory") were accepted
+    ({"max_num_batched_tokens": 0}, ValueError, "max_num_batched_tokens: must be >= 1, got 0"),
+    ({"block_size": "16"}, TypeError, "block_size: Expected `int`, got `str`"),
+    ({"block_size": 0}, ValueError, "block_size: must be a power of two between 1 and 256, got 0"),
+    ({"block_size": 3}, ValueError, "block_size: must be a power of two between 1 and 256, got 3"),
+    ({"max_num_seqs": 0}, ValueError, "max_num_seqs: must be >= 1, got 0"),
+    ({"gpu_memory_utilization": 2}, ValueError, "gpu_memory_utilization: must be > 0 and <= 1, got 2"),
+    ({"num_gpu_blocks": 0}, ValueError, "num_gpu_blocks: must be None or >= 1, got 0"),
+    ({"swap_space": -1}, ValueError, "swap_space: must be >= 0 (GiB) and finite, got -1"),
+    ({"device": "tpu"}, ValueError, "device: must be one of auto, cpu, cuda, got 'tpu'"),
+    ({"kv_cache_dtype": "int8"}, ValueError, "kv_cache_dtype: must be one of auto, fp8"),
+    ({"enable_prefix_caching": "no"}, TypeError, "enable_prefix_caching: Expected `bool`, got `str`"),
+])
+def test_a_bad_engine_argument_is_named_before_any_worker_starts(stories260k, engine_args, error, message):
+    import threading
+
+    from pagedkv import LLM
+
+    threads = threading.active_count()
+    with pytest.raises(error, match=re.escape(message)):
+        LLM(model=str(stories260k), **engine_args)
+    assert threading.active_count() == threads  # no event-loop thread left behind
+
+
+def test_the_model_may_be_a_path_object(stories260k):
+    from pagedkv import LLM, SamplingParams
+
+    with LLM(model=Path(stories260k), num_gpu_blocks=64, swap_space=0.01) as llm:  # was AttributeError: endswith
+        [out] = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    assert out.outputs[0].token_ids == GOLDEN_OUTPUT_IDS[:5]

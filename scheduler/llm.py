@@ -15,9 +15,9 @@ per prompt, in prompt order, with vLLM's attribute names::
 from __future__ import annotations
 
 import asyncio
-import atexit
 import os
 import threading
+import weakref
 from dataclasses import dataclass, field
 
 from pagedkv.common.config import EngineConfig
@@ -102,9 +102,11 @@ class LLM:
         try:
             self.engine = self._call(Engine.start(config))
         except BaseException:
-            self._stop_loop()
+            _stop_loop(self._loop, self._thread)
             raise
-        atexit.register(self.shutdown)
+        # not atexit.register(self.shutdown): that reference kept every LLM alive, so one dropped
+        # (`llm = LLM(...)` run again in a notebook, `del llm`) left its worker running until exit
+        self._finalizer = weakref.finalize(self, _shutdown, self._loop, self._thread, [self.engine])
 
     def _call(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -184,23 +186,35 @@ class LLM:
             bar.close()
 
     def shutdown(self) -> None:
-        """Stop the engine and its worker process (idempotent)."""
-        if getattr(self, "engine", None) is not None and self._loop.is_running():
-            engine, self.engine = self.engine, None
-            self._call(engine.shutdown())
-        self._stop_loop()
-        atexit.unregister(self.shutdown)
-
-    def _stop_loop(self) -> None:
-        if self._loop.is_running():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
+        """Stop the engine and its worker process (idempotent); also done when the LLM is garbage
+        collected and at interpreter exit."""
+        self.engine = None
+        self._finalizer()
 
     def __enter__(self) -> "LLM":
         return self
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+    if loop.is_running():
+        loop.call_soon_threadsafe(loop.stop)
+        if threading.current_thread() is not thread:
+            thread.join(timeout=10)
+
+
+def _shutdown(loop: asyncio.AbstractEventLoop, thread: threading.Thread, engine_box: list) -> None:
+    """Shut an `LLM`'s engine down and stop its loop; holds no reference to the LLM (weakref.finalize)."""
+    engine, engine_box[0] = engine_box[0], None
+    if engine is not None and loop.is_running():
+        future = asyncio.run_coroutine_threadsafe(engine.shutdown(), loop)
+        if threading.current_thread() is thread:  # collected on the loop's own thread: cannot wait here
+            future.add_done_callback(lambda _: _stop_loop(loop, thread))
+            return
+        future.result()
+    _stop_loop(loop, thread)
 
 
 def _logprob_dict(tokenizer, token_id: int, logprob: float, top: list[tuple[int, str, float]]) -> dict[int, Logprob]:

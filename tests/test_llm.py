@@ -153,3 +153,19 @@ def test_the_model_may_be_a_path_object(stories260k):
     with LLM(model=Path(stories260k), num_gpu_blocks=64, swap_space=0.01) as llm:  # was AttributeError: endswith
         [out] = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
     assert out.outputs[0].token_ids == GOLDEN_OUTPUT_IDS[:5]
+
+
+def test_an_llm_dropped_without_shutdown_stops_its_worker_when_collected(stories260k):
+    # atexit.register(self.shutdown) held a reference: a dropped LLM's worker ran until interpreter exit
+    import gc
+
+    from pagedkv import LLM
+
+    llm = LLM(model=str(stories260k), num_gpu_blocks=64, swap_space=0.01)
+    worker = llm.engine.client.processes[0]
+    del llm
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{worker.pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{worker.pid}").exists()  # stopped and reaped

@@ -122,6 +122,22 @@ class ModelConfig(msgspec.Struct, frozen=True):
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported: Llama-family MLPs use silu")
         rope_theta, rope_scaling = _rope(hf)
+        # the sizes the model is built from: a 0, a negative or a string here was a ZeroDivisionError
+        # traceback or a worker's shape error instead of a line naming the field
+        for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings"):
+            v = hf.get(key)
+            if v is None and key in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                     "num_attention_heads", "vocab_size"):
+                raise ValueError(f"config.json is missing required field {key!r}")
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{key} must be a positive integer, got {v!r}")
+        heads, kv_heads = hf.get("num_attention_heads"), hf.get("num_key_value_heads")
+        if heads and kv_heads and heads % kv_heads:
+            raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+        if heads and not hf.get("head_dim") and hf.get("hidden_size", 0) % heads:
+            raise ValueError(f"hidden_size {hf['hidden_size']} is not a multiple of num_attention_heads {heads} "
+                             "(and there is no head_dim)")
         try:
             heads = hf["num_attention_heads"]
             hidden = hf["hidden_size"]

@@ -347,13 +347,23 @@ def test_help_shows_defaults(capsys):
 
 
 def _bad_checkpoint(tmp_path: Path, stories260k: Path, kind: str) -> Path:
-    d = tmp_path / kind
+    d = tmp_path / kind.replace(":", "_").replace("=", "_")
     d.mkdir()
     if kind == "no_weights":
         for f in ("config.json", "tokenizer.json"):
             (d / f).write_bytes((stories260k / f).read_bytes())
     elif kind == "bad_json":
         (d / "config.json").write_text('{"hidden_size": 64,')
+    elif kind.startswith("config:"):  # stories260K with one config.json field changed
+        cfg = json.loads((stories260k / "config.json").read_text())
+        key, value = kind.split(":")[1].split("=")
+        if value == "drop":
+            del cfg[key]
+        else:
+            cfg[key] = json.loads(value)
+        (d / "config.json").write_text(json.dumps(cfg))
+        for f in ("model.safetensors", "tokenizer.json"):
+            (d / f).write_bytes((stories260k / f).read_bytes())
     elif kind == "no_tokenizer":
         for f in ("config.json", "model.safetensors"):
             (d / f).write_bytes((stories260k / f).read_bytes())
@@ -367,6 +377,16 @@ def _bad_checkpoint(tmp_path: Path, stories260k: Path, kind: str) -> Path:
                  "quotes: line 1 column 20 (char 19)"),
     ("no_tokenizer", "pagedkv serve: error: no tokenizer.json at '{d}/tokenizer.json': pagedkv needs the Hugging Face "
                      "fast-tokenizer file"),
+    # these reached the worker: a ZeroDivisionError traceback, or a worker's shape or type error (exit 1)
+    ("config:num_attention_heads=0", "pagedkv serve: error: {d}/config.json: num_attention_heads must be a positive "
+                                     "integer, got 0"),
+    ("config:hidden_size=\"64\"", "pagedkv serve: error: {d}/config.json: hidden_size must be a positive integer, "
+                                  "got '64'"),
+    ("config:vocab_size=-1", "pagedkv serve: error: {d}/config.json: vocab_size must be a positive integer, got -1"),
+    ("config:num_attention_heads=null", "pagedkv serve: error: {d}/config.json: config.json is missing required "
+                                        "field 'num_attention_heads'"),
+    ("config:num_key_value_heads=3", "pagedkv serve: error: {d}/config.json: num_attention_heads 8 is not a multiple "
+                                     "of num_key_value_heads 3"),
 ])
 def test_a_bad_checkpoint_is_one_line_naming_the_problem_before_any_worker(tmp_path, stories260k, capsys,
                                                                            kind, message):

@@ -132,6 +132,10 @@ def _positive(kind, name: str, allow_zero: bool = False, hi: float | None = None
         if v < 0 or (v == 0 and not allow_zero) or v != v or (hi is not None and v > hi):
             bound = f"{'>=' if allow_zero else '>'} 0" + (f" and <= {hi}" if hi is not None else "")
             raise argparse.ArgumentTypeError(f"{name} must be {bound}, got {s}")
+        if v == float("inf"):  # --gpu-memory-gib inf was an OverflowError traceback
+            raise argparse.ArgumentTypeError(f"{name} must be finite, got {s}")
+        if name == "--block-size" and (v > 256 or v & (v - 1)):  # as `pagedkv serve --block-size`
+            raise argparse.ArgumentTypeError(f"{name} must be a power of two, 1..256, got {s}")
         return v
     return parse
 

@@ -83,7 +83,9 @@ def test_cli_prints_the_arithmetic_and_json(capsys):
 
 
 @pytest.mark.parametrize("flag,value", [("--gpu-memory-gib", "0"), ("--gpu-memory-utilization", "1.5"),
-                                        ("--block-size", "x"), ("--activation-reserve-gib", "-1")])
+                                        ("--block-size", "x"), ("--activation-reserve-gib", "-1"),
+                                        # inf was an OverflowError traceback; a block size serve refuses was planned
+                                        ("--gpu-memory-gib", "inf"), ("--block-size", "3"), ("--block-size", "512")])
 def test_bad_flags_are_argparse_errors_naming_the_flag(flag, value, capsys):
     argv = ["capacity", "--model-config", str(LLAMA_8B), "--gpu-memory-gib", "80", flag, value]
     with pytest.raises(SystemExit) as e:

@@ -27,7 +27,7 @@ from pagedkv.common.config import EMBEDDED_HF_CONFIG, EngineConfig, ModelConfig
 from pagedkv.scheduler.worker_client import WorkerClient, WorkerFailed
 from pagedkv.worker.model_loader import checkpoint_tensors, load_model, shard_of
 from pagedkv.worker.parallel import TensorParallel
-from tp_ranks import logits_rank, step_logits
+from tp_ranks import fp8_rank, logits_rank, step_logits
 
 MQA_HF_CONFIG = dict(EMBEDDED_HF_CONFIG, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=1, head_dim=16, vocab_size=64)
@@ -194,6 +194,25 @@ def test_one_steps_logits_at_tp2_and_tp4_agree_with_tp1_within_1e_4(stories260k,
         assert (got - expected).abs().max().item() < 1e-4, (name, n)
         assert torch.equal(got.argmax(-1), expected.argmax(-1)), (name, n)
     assert expected_first_token(stories260k) == GOLDEN_OUTPUT_IDS[:2]
+
+
+def test_fp8_kv_scales_calibrated_at_tp2_are_tp1s_on_every_rank(stories260k, tmp_path):
+    """The first prefill calibrates each layer's scale from the amax of all KV heads, not of a rank's own
+    (each rank had its own scales, and -tp 2 decoded fp8 otherwise than -tp 1)."""
+    stories = ModelConfig.load(str(stories260k))
+    mp.spawn(fp8_rank, args=(2, f"tcp://127.0.0.1:{_free_port()}", stories, GOLDEN_PROMPT_IDS, GOLDEN_OUTPUT_IDS[0],
+                             str(tmp_path)), nprocs=2, join=True)
+    scales: list = []
+    expected = step_logits(stories, "auto", GOLDEN_PROMPT_IDS, GOLDEN_OUTPUT_IDS[0], kv_dtype=torch.float8_e4m3fn,
+                           scales=scales)
+    assert len(scales) == 5 and all(k is not None and v is not None for k, v in scales)
+    for rank in range(2):
+        logits, got = torch.load(tmp_path / f"fp8-rank{rank}.pt")
+        # equal up to the float rounding of a sharded GEMM (before: k_scale 0.0745 on rank 0, 0.0927 at -tp 1)
+        assert all(math.isclose(a, b, rel_tol=1e-6) for pair, ref in zip(got, scales, strict=True)
+                   for a, b in zip(pair, ref, strict=True)), (rank, got, scales)
+        assert (logits - expected).abs().max().item() < 1e-4, rank
+        assert torch.equal(logits.argmax(-1), expected.argmax(-1)), rank
 
 
 def expected_first_token(stories260k) -> list[int]:

@@ -121,10 +121,16 @@ class LlamaAttention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         ks = vs = 1.0
         if fp8.is_fp8(k_cache.dtype):
-            if self.k_scale is None:  # calibrate on the first prefill
-                self.k_scale = fp8.scale_for(k, k_cache.dtype)
-            if self.v_scale is None:
-                self.v_scale = fp8.scale_for(v, v_cache.dtype)
+            if self.k_scale is None or self.v_scale is None:  # calibrate on the first prefill
+                # from the amax over all ranks' heads: a rank's own heads gave each rank another
+                # scale, and -tp N another model than -tp 1 (every rank calibrates in the same step)
+                amax = torch.stack([k.detach().abs().amax() if k.numel() else k.new_zeros(()),
+                                    v.detach().abs().amax() if v.numel() else v.new_zeros(())]).float()
+                amax = self.tp.all_reduce_max(amax)
+                if self.k_scale is None:
+                    self.k_scale = fp8.scale_for(amax[:1], k_cache.dtype)
+                if self.v_scale is None:
+                    self.v_scale = fp8.scale_for(amax[1:], v_cache.dtype)
             ks, vs = self.k_scale, self.v_scale
         self.kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
         o = self.kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,

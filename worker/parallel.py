@@ -66,6 +66,12 @@ class TensorParallel:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """The elementwise maximum of ``x`` over the ranks, in place; returns ``x``."""
+        if self.world_size > 1:
+            dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group)
+        return x
+
 
 def init_group(rank: int, world_size: int, init_method: str, device: torch.device,
                timeout_s: float) -> TensorParallel:

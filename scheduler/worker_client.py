@@ -179,10 +179,13 @@ class WorkerClient:
             # the ranks log at the control plane's level (debug: tracebacks of their failures), in its format
             level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
             for rank in range(n):
+                # a group's ranks all run on this host: a LOCAL_RANK / LOCAL_WORLD_SIZE inherited from the
+                # control plane's environment (torchrun, a job launcher) put every rank on one GPU
+                local = {"LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(n)} if n > 1 else {}
                 self.processes.append(subprocess.Popen(
                     [sys.executable, "-m", "pagedkv.worker", "--connect", self.address, "--rank", str(rank),
                      "--world-size", str(n), "--dist-init-method", rendezvous, "--log-level", level,
-                     "--log-format", current_format()], env=env))
+                     "--log-format", current_format()], env={**env, **local}))
                 log.info("worker process started", rank=rank, pid=self.processes[-1].pid, address=self.address)
         else:
             log.info("waiting for a worker to connect" if n == 1 else f"waiting for {n} worker ranks to connect",

@@ -377,6 +377,40 @@ async def test_a_rank_that_does_not_complete_0_to_n_minus_1_once_each_is_refused
         await client.close()
 
 
+async def test_spawned_ranks_get_their_own_local_rank_not_the_control_planes(tmp_path, monkeypatch):
+    """A LOCAL_RANK=0 / LOCAL_WORLD_SIZE=1 in the control plane's environment reached every spawned rank:
+    all of them took cuda:0 (`worker.select_device`) and all the host's CPU threads."""
+    from pagedkv.scheduler import worker_client
+
+    envs = []
+
+    class Exited:  # a rank that exits at once: start() fails naming it, close() reaps it
+        pid, returncode = 12345, 1
+
+        def __init__(self, argv, env):
+            envs.append(env)
+
+        def poll(self):
+            return 1
+
+        def kill(self):
+            pass
+
+        def wait(self):
+            return 1
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setattr(worker_client.subprocess, "Popen", Exited)
+    client = WorkerClient(EngineConfig(tensor_parallel_size=2, worker_timeout=10), f"ipc://{tmp_path}/w.sock")
+    try:
+        with pytest.raises(WorkerFailed, match="rank 0"):
+            await client.start()
+    finally:
+        await client.close()
+    assert [(e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"]) for e in envs] == [("0", "2"), ("1", "2")]
+
+
 async def test_a_rank_that_never_registers_is_named_at_the_deadline(tmp_path):
     client = fake_group_client(tmp_path, 3)
     try:

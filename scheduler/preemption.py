@@ -53,7 +53,8 @@ class Preemption(msgspec.Struct):
     """One preemption decision: what was preempted, how, why, and what each way would have cost.
 
     request_ids: the victim and the siblings preempted with it. num_blocks: distinct device blocks
-    freed. num_tokens: tokens whose KV is discarded (recompute) or kept on the host (swap).
+    freed. num_tokens: tokens whose KV is discarded (recompute) or kept on the host (swap), a
+    prompt shared by siblings once.
     num_bytes: bytes a swap moves one way (num_blocks x kv_bytes_per_block). swap_cost_s /
     recompute_cost_s: the model's estimates in seconds. fallback: why ``mode`` differs from
     what the policy asked for (the host pool was full), else None. time: time.monotonic() seconds.
@@ -140,7 +141,11 @@ class PreemptionPolicy:
     def costs(self, group: list[Request]) -> tuple[int, int, float, float]:
         """(distinct blocks, tokens with KV, swap cost s, recompute cost s) of preempting ``group``."""
         num_blocks = len({b for r in group for b in r.block_table})
-        num_tokens = sum(r.num_computed_tokens for r in group)
+        # siblings share the prompt up to the fork point: a recompute computes it once (the leader,
+        # `Scheduler._requeue`) and a swap keeps it once, so each other sibling counts only the rest
+        leader = group[0]
+        shared = sum(min(r.num_computed_tokens, leader.fork_point) for r in group[1:] if r.group is leader.group)
+        num_tokens = sum(r.num_computed_tokens for r in group) - shared
         swap_s = 2 * num_blocks * self.kv_bytes_per_block / self.swap_bandwidth
         recompute_s = num_tokens / self.prefill.tokens_per_second
         return num_blocks, num_tokens, swap_s, recompute_s

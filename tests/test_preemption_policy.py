@@ -206,3 +206,20 @@ def test_cli_flags_reach_the_engine_config(stories260k):
     with pytest.raises(SystemExit) as e:
         parser.parse_args(["serve", "--preemption-mode", "sometimes"])
     assert e.value.code == 2
+
+
+def test_a_sibling_groups_shared_prompt_counts_once_in_the_tokens_to_recompute():
+    # n = 3, a 101-token prompt, 10 tokens each after it: a recompute computes the prompt's 100
+    # shared tokens once (the leader) and each sibling's own 10, 130 tokens, not 3 x 110
+    a = Request("a", [1] * 101, SP)
+    siblings = [a, Request("b", [1] * 101, SP, group=a.group, index=1), Request("c", [1] * 101, SP, group=a.group, index=2)]
+    for i, r in enumerate(siblings):
+        r.token_ids += [2] * 9
+        r.num_computed_tokens = 110
+        r.block_table = [0, 1, 2, 3, 4, 5, 6 + i]  # 16-token blocks: the first 6 full ones shared
+    policy = PreemptionPolicy("auto", kv_bytes_per_block=1000, swap_bandwidth=1e6)
+    num_blocks, num_tokens, swap_s, recompute_s = policy.costs(siblings)
+    assert (num_blocks, num_tokens) == (9, 130)
+    assert (swap_s, recompute_s) == (2 * 9000 / 1e6, 130 / DEFAULT_PREFILL_THROUGHPUT)
+    d = policy.decide(siblings, "r", num_free_cpu_blocks=64)  # recompute 0.013 s < swap 0.018 s
+    assert (d.mode, d.num_tokens) == ("recompute", 130)

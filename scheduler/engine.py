@@ -355,6 +355,11 @@ class Engine:
         if step.is_empty:  # nothing can run until an arrival, an abort, a finish or a result changes that
             return None
         self.scheduler.advance(step)
+        now = time.monotonic()
+        for new in step.plan.new_requests:  # the first one only: a resumed request keeps its first
+            stream = self.output.owner.get(new.request_id)
+            if stream is not None and stream.scheduled_time is None:
+                stream.scheduled_time = now
         return step
 
     def _log_step(self, step: ScheduledStep, result: StepResult) -> None:
@@ -626,6 +631,8 @@ class Engine:
             self._probation = None
         now = time.monotonic()
         self.metrics.on_finished(status.finish_reason, now - stream.arrival_time)
+        self.metrics.on_phases(stream.arrival_time, stream.scheduled_time, stream.first_token_time,
+                               stream.last_token_time)
         if self.advisor is not None and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
             for m in stream.members:
                 if m.index < stream.n:

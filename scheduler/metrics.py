@@ -25,7 +25,9 @@ class Metrics:
         self.num_cached_free_blocks = Gauge("pagedkv:num_cached_free_blocks", "Free KV blocks that still hold a reusable cached prefix.", labels, registry=r)
         self.num_running = Gauge("pagedkv:num_requests_running", "Requests in the running batch.", labels, registry=r)
         self.num_waiting = Gauge("pagedkv:num_requests_waiting", "Requests waiting to be admitted.", labels, registry=r)
-        self.num_preemptions = Counter("pagedkv:num_preemptions", "Preemptions of whole requests.", labels + ["mode"], registry=r)
+        # one per preempted sequence (an n = 4 request preempted once counts 4), as vLLM V1, where
+        # each of the n samples is its own child request
+        self.num_preemptions = Counter("pagedkv:num_preemptions", "Preempted sequences (each of a request's n samples or beams counts).", labels + ["mode"], registry=r)
         self.prompt_tokens = Counter("pagedkv:prompt_tokens", "Prompt tokens of admitted requests.", labels, registry=r)
         self.generation_tokens = Counter("pagedkv:generation_tokens", "Generated tokens.", labels, registry=r)
         self.prefix_cache_queries = Counter("pagedkv:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels, registry=r)
@@ -34,6 +36,12 @@ class Metrics:
         self.ttft = Histogram("pagedkv:time_to_first_token_seconds", "Time to first token.", labels, buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("pagedkv:inter_token_latency_seconds", "Time between consecutive output tokens.", labels, buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("pagedkv:e2e_request_latency_seconds", "Arrival to finish.", labels, buckets=_LATENCY_BUCKETS, registry=r)
+        # vLLM's per-request phases. "Scheduled" is the request's first scheduling: a request preempted
+        # and resumed keeps it, so its time back in the queue counts as inference, not queue (as vLLM).
+        self.queue_time = Histogram("pagedkv:request_queue_time_seconds", "Arrival to first scheduled.", labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.prefill_time = Histogram("pagedkv:request_prefill_time_seconds", "First scheduled to first token.", labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.decode_time = Histogram("pagedkv:request_decode_time_seconds", "First token to last token.", labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.inference_time = Histogram("pagedkv:request_inference_time_seconds", "First scheduled to last token.", labels, buckets=_LATENCY_BUCKETS, registry=r)
         self.num_swapped = Gauge("pagedkv:num_requests_swapped", "Requests swapped out to the host pool.", labels, registry=r)
         self.cpu_kv_cache_usage = Gauge("pagedkv:cpu_kv_cache_usage_perc", "Fraction of host swap blocks holding swapped-out KV (0-1).", labels, registry=r)
         self.blocks_swapped_out = Counter("pagedkv:num_blocks_swapped_out", "KV blocks copied from the device pool to the host pool.", labels, registry=r)
@@ -91,6 +99,20 @@ class Metrics:
     def on_finished(self, reason: str, e2e_seconds: float) -> None:
         self.request_success.labels(finished_reason=reason, **self._l).inc()
         self.e2e.labels(**self._l).observe(e2e_seconds)
+
+    def on_phases(self, arrival: float, scheduled: float | None, first_token: float | None,
+                  last_token: float) -> None:
+        """A finished request's phases from its timestamps (seconds, one monotonic clock). Never
+        scheduled (aborted or failed while queued): nothing is observed; scheduled but no token
+        sampled: only its queue time."""
+        if scheduled is None:
+            return
+        self.queue_time.labels(**self._l).observe(scheduled - arrival)
+        if first_token is None:
+            return
+        self.prefill_time.labels(**self._l).observe(first_token - scheduled)
+        self.decode_time.labels(**self._l).observe(last_token - first_token)
+        self.inference_time.labels(**self._l).observe(last_token - scheduled)
 
     def on_worker_restart(self) -> None:
         """A worker (group) start after a failure begins."""

@@ -86,6 +86,7 @@ class RequestStream:
         self.num_beam_output_tokens = 0  # beam search: the output tokens of the hypotheses returned
         self.next_beam = 1  # beam search: the next beam's id suffix (beam0 leads; ids are never reused)
         self.arrival_time = arrival_time
+        self.scheduled_time: float | None = None  # time.monotonic() of its first scheduling (metrics)
         self.first_token_time: float | None = None
         self.last_token_time = arrival_time
         self.span = None  # its OpenTelemetry span, when tracing is on

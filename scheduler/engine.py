@@ -108,10 +108,12 @@ class Engine:
         with (`scheduler.KVAllocator`); default the paged `KVCacheManager`. Benchmarks plug their
         baselines in here. worker_secret: the worker-channel secret (`common.protocol.Channel`);
         needed with an external worker, generated per start for a spawned one when None. Raises
+        TypeError/ValueError naming an EngineConfig field out of type or range (`EngineConfig.validate`),
         FileNotFoundError/ValueError for a bad model directory or a tensor_parallel_size the model
         cannot be split by (`ModelConfig.shard`), WorkerFailed when the worker cannot start or load the model.
         """
         # everything that can be checked is checked before a worker starts
+        config.validate()  # as LLM and the CLI's flags do: Engine used directly gets the same checks
         model_config = ModelConfig.load(config.model)
         resolve_max_model_len(model_config, config.max_model_len)
         model_config.shard(config.tensor_parallel_size)  # ranks that cannot split the model never start

@@ -96,6 +96,7 @@ def test_flags_map_onto_engine_config(stories260k):
             config.max_model_len, config.max_n, config.seed, config.dtype, config.device, config.load_format,
             config.worker_timeout, config.attention_backend, config.stream_interval) == (
         str(stories260k), 32, 100, 0.5, 2.0, 1.0, 8, 512, 256, 4, 7, "float32", "cpu", "dummy", 30.0, "torch", 4)
+    config.validate()  # Engine.start validates: what the flags accept must pass
     assert (args.host, args.port) == ("127.0.0.1", 8000)
 
 

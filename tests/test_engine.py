@@ -237,3 +237,19 @@ asyncio.run(main())
                                   timeout=120)
     result = [line for line in out.stdout.splitlines() if line.startswith("RESULT")]
     assert result == ["RESULT 3 True False"], out.stderr[-2000:]
+
+
+async def test_engine_start_validates_its_config_before_any_worker(monkeypatch):
+    from pagedkv.common.config import EngineConfig
+    from pagedkv.scheduler import engine as engine_module
+
+    def no_worker(*args, **kwargs):
+        raise AssertionError("a worker was started")
+
+    monkeypatch.setattr(engine_module, "WorkerClient", no_worker)
+    with pytest.raises(ValueError) as bad:
+        await engine_module.Engine.start(EngineConfig(model=None, block_size=3))
+    assert str(bad.value) == "block_size: must be a power of two between 1 and 256, got 3"
+    with pytest.raises(TypeError) as wrong:
+        await engine_module.Engine.start(EngineConfig(model=None, max_num_seqs="8"))
+    assert str(wrong.value).startswith("max_num_seqs: Expected `int`, got `str`")

@@ -82,6 +82,11 @@ def _rope(hf: dict) -> tuple[float, dict | None]:
     return theta, (None if kind == "default" else {**scaling, "rope_type": kind})
 
 
+# what from_hf_dict accepts ("LLaMAForCausalLM": the spelling of early converted checkpoints, which vLLM accepts too)
+_MODEL_TYPES = ("llama", "mistral")
+_ARCHITECTURES = ("LlamaForCausalLM", "LLaMAForCausalLM", "MistralForCausalLM")
+
+
 class ModelConfig(msgspec.Struct, frozen=True):
     """The architecture numbers of a Llama-family model (HF ``LlamaConfig`` field names).
 
@@ -115,10 +120,16 @@ class ModelConfig(msgspec.Struct, frozen=True):
         Raises ValueError when the architecture is not Llama-family (model_type, a hidden_act other
         than silu, a RoPE scaling outside `ROPE_TYPES`) or a required field is missing.
         """
-        arch = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
-        if hf.get("model_type", "llama") not in ("llama", "mistral") and "Llama" not in arch:
-            raise ValueError(f"unsupported architecture {arch!r} (model_type {hf.get('model_type')!r}); "
-                             "pagedkv serves Llama-family checkpoints")
+        # Both fields must say Llama or Mistral (same weights): a Qwen2 config with architectures
+        # relabelled LlamaForCausalLM still has Qwen2's biases, and model_type "llama" with
+        # Qwen2ForCausalLM is not ours either. Absent fields are taken as Llama.
+        model_type, archs = hf.get("model_type", "llama"), hf.get("architectures") or ["LlamaForCausalLM"]
+        if model_type not in _MODEL_TYPES:
+            raise ValueError(f"config.json model_type {model_type!r} is not supported: pagedkv serves "
+                             f"Llama-family checkpoints (model_type one of {', '.join(_MODEL_TYPES)})")
+        if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in _ARCHITECTURES:
+            raise ValueError(f"config.json architectures {archs!r} is not supported: pagedkv serves "
+                             f"Llama-family checkpoints (architectures [one of {', '.join(_ARCHITECTURES)}])")
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported: Llama-family MLPs use silu")
         rope_theta, rope_scaling = _rope(hf)

@@ -662,3 +662,31 @@ def test_gpu_checks_graph_and_block_table_cases_run_on_the_cpu(monkeypatch):
     gpu_check = _gpu_check(monkeypatch)
     assert gpu_check.check_graphs("cpu")
     assert gpu_check.check_block_table("cpu")
+
+
+@pytest.mark.parametrize("fields, error", [
+    ({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]},
+     "config.json model_type 'qwen2' is not supported: pagedkv serves Llama-family checkpoints "
+     "(model_type one of llama, mistral)"),
+    ({"model_type": "qwen2", "architectures": ["LlamaForCausalLM"]},  # was accepted: the architecture said Llama
+     "config.json model_type 'qwen2' is not supported: pagedkv serves Llama-family checkpoints "
+     "(model_type one of llama, mistral)"),
+    ({"model_type": "llama", "architectures": ["GPT2LMHeadModel"]},  # was accepted: the model_type said llama
+     "config.json architectures ['GPT2LMHeadModel'] is not supported: pagedkv serves Llama-family checkpoints "
+     "(architectures [one of LlamaForCausalLM, LLaMAForCausalLM, MistralForCausalLM])"),
+    ({"architectures": ["LlavaLlamaForCausalLM"]},  # was accepted: "Llama" in the name
+     "config.json architectures ['LlavaLlamaForCausalLM'] is not supported: pagedkv serves Llama-family "
+     "checkpoints (architectures [one of LlamaForCausalLM, LLaMAForCausalLM, MistralForCausalLM])"),
+])
+def test_a_non_llama_model_type_or_architecture_is_refused_naming_the_field(fields, error):
+    with pytest.raises(ValueError) as e:
+        ModelConfig.from_hf_dict(dict(EMBEDDED_LIKE, **fields), "m", None)
+    assert str(e.value) == error
+
+
+@pytest.mark.parametrize("fields", [{}, {"model_type": "llama", "architectures": ["LlamaForCausalLM"]},
+                                    {"model_type": "mistral", "architectures": ["MistralForCausalLM"]},
+                                    {"model_type": "mistral", "architectures": ["LlamaForCausalLM"]},
+                                    {"model_type": "llama", "architectures": ["LLaMAForCausalLM"]}])
+def test_llama_and_mistral_configs_are_accepted(fields):
+    assert ModelConfig.from_hf_dict(dict(EMBEDDED_LIKE, **fields), "m", None).num_hidden_layers == 2

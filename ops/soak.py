@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import collections
 import json
+import math
 import os
 import random
 import re
@@ -72,10 +73,12 @@ def _alive(pid: int) -> bool:
 
 
 def _percentile(values: list[float], q: float) -> float | None:
+    """Nearest rank: the smallest value with at least q of them at or below it (int(q * n) was one
+    rank high whenever q * n is whole: the p50 of two values was the larger, p99 of 100 the maximum)."""
     if not values:
         return None
     values = sorted(values)
-    return round(values[min(len(values) - 1, int(q * len(values)))], 4)
+    return round(values[max(0, min(len(values) - 1, math.ceil(q * len(values)) - 1))], 4)
 
 
 def _request_body(rng: random.Random, max_tokens: int) -> dict:

@@ -297,3 +297,18 @@ def test_control_plane_microbenchmark_keeps_every_request_running():
     assert row["running"] == 16 and row["steps"] == 20
     assert set(row) >= {"total_ms_median", "schedule_ms_median", "plan_codec_ms_median", "result_codec_ms_median",
                         "apply_ms_median"}
+
+
+def _ops_module(name: str):
+    spec = importlib.util.spec_from_file_location(name, __import__("pathlib").Path(__file__).resolve().parents[1] / f"ops/{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_soak_percentiles_are_nearest_rank():
+    p = _ops_module("soak")._percentile
+    assert p([1.0, 2.0], 0.5) == 1.0  # was 2.0: int(q * n) is one rank high when q * n is whole
+    assert p([float(i) for i in range(1, 101)], 0.99) == 99.0 and p([float(i) for i in range(1, 101)], 0.5) == 50.0
+    assert p([3.0, 1.0, 2.0], 0.5) == 2.0 and p([5.0], 0.99) == 5.0 and p([], 0.5) is None
+

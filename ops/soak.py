@@ -143,7 +143,10 @@ class Soak:
             self.outcomes["completed"] += 1
             self.latencies.append(time.monotonic() - start)
         except TimeoutError:
-            self.outcomes["aborted"] += 1
+            if abort_after is None:  # the session's own timeout: a request that hung, not a walkaway
+                self.errors["timeout"] += 1
+            else:
+                self.outcomes["aborted"] += 1
         except aiohttp.ClientError as e:
             self.errors[type(e).__name__] += 1
         finally:

@@ -5,6 +5,7 @@ A few requests only (seconds); no timing is asserted, only fields, counts and id
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import math
@@ -312,3 +313,31 @@ def test_soak_percentiles_are_nearest_rank():
     assert p([float(i) for i in range(1, 101)], 0.99) == 99.0 and p([float(i) for i in range(1, 101)], 0.5) == 50.0
     assert p([3.0, 1.0, 2.0], 0.5) == 2.0 and p([5.0], 0.99) == 5.0 and p([], 0.5) is None
 
+
+async def test_soak_counts_a_hung_request_as_an_error_not_a_walkaway():
+    """A client not drawn to walk away whose request outlives the session's timeout was counted
+    "aborted", so a soak whose server hung passed (exit 0)."""
+    import argparse
+
+    import aiohttp
+    from aiohttp import web
+
+    soak = _ops_module("soak")
+
+    async def completions(request):
+        await asyncio.sleep(5)
+        return web.json_response({"choices": [{}]})
+
+    app = web.Application()
+    app.add_routes([web.post("/v1/completions", completions)])
+    server = TestServer(app, host="127.0.0.1", port=0)
+    await server.start_server()
+    try:
+        s = soak.Soak(argparse.Namespace(seed=0))
+        url = str(server.make_url("")).rstrip("/")
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.2)) as session:
+            await s.one(session, url, {"stream": False, "n": 1}, None, None)  # hangs: an error
+            await s.one(session, url, {"stream": False, "n": 1}, 0.05, None)  # walks away: aborted
+    finally:
+        await server.close()
+    assert s.errors == {"timeout": 1} and s.outcomes == {"aborted": 1} and s.done == 2

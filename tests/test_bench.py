@@ -341,3 +341,11 @@ async def test_soak_counts_a_hung_request_as_an_error_not_a_walkaway():
     finally:
         await server.close()
     assert s.errors == {"timeout": 1} and s.outcomes == {"aborted": 1} and s.done == 2
+
+
+def test_control_plane_and_worker_host_p90_is_not_below_the_median():
+    """int(0.9 * (n - 1)) rounded down: with two measured steps the "p90" was the faster one."""
+    row = _ops_module("bench_control_plane").measure(4, steps=2)
+    assert row["total_ms_p90"] >= row["total_ms_median"]
+    row = _ops_module("bench_worker_host").measure(2, 16, 64, 5, 16)  # steps 4 and 5 measured, stub forward
+    assert row["execute_p90_ms"] >= row["execute_ms"]

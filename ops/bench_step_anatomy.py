@@ -77,24 +77,32 @@ async def main() -> None:
 
     steps = []  # (running, new tokens, prefill?, worker s, channel s, control plane s)
     last_return = [None]
+    # process CPU from the first step sent to the last result: the replay's window, as its wall time
+    # (process_time() around run_in_process also counted engine start, model load and shutdown)
+    cpu_window = [None, None]
     sent: dict[int, tuple[float, object]] = {}  # step id -> (time sent, plan)
     original = {name: getattr(WorkerClient, name) for name in ("step", "submit", "result") if hasattr(WorkerClient, name)}
 
     def record(plan, t0: float, t1: float, result) -> None:
         control = t0 - last_return[0] if last_return[0] is not None else 0.0  # the first step: none before it
         last_return[0] = t1
+        cpu_window[1] = time.process_time()
         running = len(plan.new_requests) + len(plan.cached_requests)
         prefill = bool(plan.new_requests) or plan.num_scheduled_tokens > running
         steps.append((running, plan.num_scheduled_tokens, prefill, result.forward_seconds,
                       t1 - t0 - result.forward_seconds, control))
 
     async def timed_step(self, plan):  # trees whose loop calls step()
+        if cpu_window[0] is None:
+            cpu_window[0] = time.process_time()
         t0 = time.perf_counter()
         result = await original["step"](self, plan)
         record(plan, t0, time.perf_counter(), result)
         return result
 
     async def timed_submit(self, plan):
+        if cpu_window[0] is None:
+            cpu_window[0] = time.process_time()
         sent[plan.step_id] = (time.perf_counter(), plan)
         return await original["submit"](self, plan)
 
@@ -108,10 +116,9 @@ async def main() -> None:
         WorkerClient.submit, WorkerClient.result = timed_submit, timed_result
     else:
         WorkerClient.step = timed_step
-    cpu0 = time.process_time()
     run = await run_in_process(config, requests, progress=False, account_kv_every_step=not args.no_kv_accounting,
                                **({"kv_allocator": args.kv_allocator} if args.kv_allocator else {}))
-    cpu = time.process_time() - cpu0
+    cpu = cpu_window[1] - cpu_window[0]
     for name, fn in original.items():
         setattr(WorkerClient, name, fn)
     # the control-plane time before step i is the gap after step i - 1: attribute it to step i

@@ -32,12 +32,12 @@ import torch.nn.functional as F  # noqa: E402
 
 # Peak HBM bandwidth in GB/s by device-name fragment, most specific first (vendor datasheets).
 PEAK_GBPS = [
+    ("GH200", 4000.0),  # before "H200", which its name contains
     ("H200", 4800.0),
     ("H100 NVL", 3900.0),
     ("H100 PCIe", 2000.0),
     ("H100", 3350.0),  # SXM5
     ("H800", 3350.0),
-    ("GH200", 4000.0),
     ("B200", 8000.0),
     ("A100-SXM4-80GB", 2039.0),
     ("A100 80GB PCIe", 1935.0),

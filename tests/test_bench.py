@@ -10,6 +10,7 @@ import importlib.util
 import json
 import math
 import random
+import sys
 
 import pytest
 from aiohttp.test_utils import TestServer
@@ -303,6 +304,7 @@ def test_control_plane_microbenchmark_keeps_every_request_running():
 def _ops_module(name: str):
     spec = importlib.util.spec_from_file_location(name, __import__("pathlib").Path(__file__).resolve().parents[1] / f"ops/{name}.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 
@@ -349,3 +351,10 @@ def test_control_plane_and_worker_host_p90_is_not_below_the_median():
     assert row["total_ms_p90"] >= row["total_ms_median"]
     row = _ops_module("bench_worker_host").measure(2, 16, 64, 5, 16)  # steps 4 and 5 measured, stub forward
     assert row["execute_p90_ms"] >= row["execute_ms"]
+
+
+def test_kernel_bench_peak_bandwidth_takes_the_most_specific_device_name():
+    peak = _ops_module("bench_kernels").peak_gbps
+    assert peak("NVIDIA GH200 480GB", None) == 4000.0  # was H200's 4800: "H200" matched first
+    assert peak("NVIDIA H200", None) == 4800.0 and peak("NVIDIA H100 80GB HBM3", None) == 3350.0
+    assert peak("NVIDIA H100 PCIe", None) == 2000.0 and peak("NVIDIA H200", 1234.0) == 1234.0

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import sys
 import time
@@ -169,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     mp.spawn(rank_main, args=(args, f"tcp://127.0.0.1:{args.port}", raw), nprocs=2, join=True)
     with open(raw) as f:
         results = json.load(f)
+    os.remove(raw)  # rank 0's hand-over only: the report below keeps it as raw_s
     med = {k: statistics.median(v) for k, v in results.items()}
     report = {
         "config": vars(args), "medians_s": med, "raw_s": results,

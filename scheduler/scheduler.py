@@ -202,7 +202,11 @@ class Scheduler:
                 free = kv.num_free_blocks
                 if req.status is not RequestStatus.RUNNING:  # the group preempted itself
                     step.budget += sum(n for _, n in steps)
-                    break
+                    # under priority the victim need not be the tail: the groups after it still run
+                    # this step (the blocks it freed may be all they need); the ones before it are
+                    # the chosen prefix of ``running``, victims removed
+                    i = next((k for k, r in enumerate(running) if id(r.group) not in chosen), len(running))
+                    continue
             chosen[id(req.group)] = (steps, need)
             step.num_blocks += need
             i = running.index(req) + 1 if preempted else i + 1

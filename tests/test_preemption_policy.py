@@ -223,3 +223,19 @@ def test_a_sibling_groups_shared_prompt_counts_once_in_the_tokens_to_recompute()
     assert (swap_s, recompute_s) == (2 * 9000 / 1e6, 130 / DEFAULT_PREFILL_THROUGHPUT)
     d = policy.decide(siblings, "r", num_free_cpu_blocks=64)  # recompute 0.013 s < swap 0.018 s
     assert (d.mode, d.num_tokens) == ("recompute", 130)
+
+
+def test_a_group_that_preempts_itself_under_priority_leaves_the_groups_after_it_their_tokens():
+    # 3 blocks of 4: 'low' (admitted first, priority 1) needs a second block for its 5th token,
+    # none is free, and it is the lowest priority: it preempts itself. 'hi2' and 'hi3' each write
+    # into the block they hold. Before, the step broke off there and scheduled nothing at all.
+    kv = KVCacheManager(3, 4, enable_prefix_caching=False)
+    s = Scheduler(kv, 8, 64, PreemptionPolicy("recompute", "priority"))
+    s.add(Request("low", [1] * 3, SamplingParams(max_tokens=8), arrival_time=1.0, priority=1))
+    run_step(s)
+    s.add(Request("hi2", [2] * 2, SamplingParams(max_tokens=8), arrival_time=2.0, priority=0))
+    s.add(Request("hi3", [3] * 2, SamplingParams(max_tokens=8), arrival_time=3.0, priority=0))
+    assert run_step(s).num_scheduled_tokens == {"low": 1, "hi2": 2, "hi3": 2}
+    step = run_step(s)
+    assert [r.request_id for r in step.preempted] == ["low"]
+    assert step.num_scheduled_tokens == {"hi2": 1, "hi3": 1}

@@ -1,5 +1,7 @@
 """Scheduler policy: budgets, FCFS admission, chunked prefill, recompute preemption of the newest."""
 
+import random
+
 from pagedkv.common.sampling_params import SamplingParams
 from pagedkv.scheduler.kv_cache_manager import KVCacheManager
 from pagedkv.scheduler.request import Request, RequestStatus
@@ -155,3 +157,51 @@ def test_running_never_exceeds_max_num_seqs_when_a_leader_forks():
     while s.requests:
         run_step(s, check=lambda step: seen.append(len(s.running)))
     assert max(seen) == 3
+
+
+# ---- policy invariants, step by step, on random workloads ----------------------------------------
+
+def _check_policy_step(s, step, budget, before_running, before_waiting, left):
+    """One step against the policy as documented (module docstring of `scheduler.scheduler`)."""
+    n = step.num_scheduled_tokens
+    assert sum(n.values()) <= budget and len(s.running) <= s.max_num_seqs
+    assert all(x > 0 for x in n.values()), n  # every scheduled chunk progresses (no prefix cache here)
+    admitted = [r for r in before_waiting if r.status is RequestStatus.RUNNING]
+    assert admitted == before_waiting[:len(admitted)], "nobody overtakes the head of the waiting queue"
+    kept = [r for r in before_running if r.status is RequestStatus.RUNNING]
+    if step.preempted and s.policy.scheduling_policy.value == "priority":
+        assert max((r.priority, r.arrival_time) for r in kept or [step.preempted[0]]) <= \
+            min((r.priority, r.arrival_time) for r in step.preempted), "the lowest priority, latest arrival goes"
+    elif step.preempted:
+        assert all(before_running.index(k) < before_running.index(v) for k in kept for v in step.preempted)
+    # running decodes go first: none is left out while a prefill takes a chunk
+    skipped = [r for r in kept if left[r.request_id] == 1 and r.request_id not in n]
+    assert not (skipped and any(x > 1 for x in n.values())), (skipped, n)
+    # a step with runnable requests is never empty (it was, under priority, when a group preempted itself)
+    assert n or not s.running or step.plan.blocks_to_swap_out or step.plan.blocks_to_swap_in
+
+
+def test_random_workloads_keep_budget_seats_order_victims_and_finish():
+    from pagedkv.scheduler.preemption import PreemptionPolicy
+
+    for seed in range(1000):
+        rng = random.Random(seed)
+        bs, budget = rng.choice([1, 2, 4, 8]), rng.choice([1, 2, 3, 5, 8, 16, 64])  # budgets below a block too
+        specs = [(rng.randint(1, 20), rng.randint(1, 12), rng.randint(0, 2), rng.choice([0, 0, 0, 1, 2, 5]))
+                 for _ in range(rng.randint(2, 6))]  # prompt, max_tokens, priority, arrival step
+        need = max(-(-(p + m - 1) // bs) for p, m, _, _ in specs)  # the longest alone: down to a pool of just that
+        kv = KVCacheManager(need + rng.randint(0, 3), bs, enable_prefix_caching=False,
+                            num_cpu_blocks=rng.choice([0, 8, 64]))
+        policy = PreemptionPolicy(rng.choice(["recompute", "swap"]), rng.choice(["fcfs", "priority"]))
+        s = Scheduler(kv, rng.choice([1, 2, 3, 8]), budget, policy)
+        for k in range(1000):
+            for i, (p, m, prio, at) in enumerate(specs):
+                if at == k:
+                    s.add(Request(f"r{i}", [i] * p, SamplingParams(max_tokens=m), arrival_time=at * 10.0 + i, priority=prio))
+            if not s.requests and k > 5:
+                break
+            before_running, before_waiting = list(s.running), list(s.waiting)
+            left = {r.request_id: r.num_tokens - r.num_computed_tokens for r in s.running}
+            run_step(s, check=lambda step: _check_policy_step(s, step, budget, before_running, before_waiting, left))
+        assert not s.requests, f"seed {seed}: not finished: {list(s.requests.values())}"
+        assert kv.num_free_blocks == kv.num_gpu_blocks

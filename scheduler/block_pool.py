@@ -138,8 +138,16 @@ class BlockPool:
 
     def cache(self, block: Block, block_hash: bytes) -> None:
         """Record that ``block`` is full and holds the content named by ``block_hash``."""
-        if block.block_hash is not None or block_hash in self.cached:
-            return  # already cached (or an identical block is): keep the first
+        if block.block_hash is not None:
+            return
+        first = self.cached.get(block_hash)
+        if first is not None:
+            if first.ref_cnt:
+                return  # an identical live block is cached: keep the first
+            # an identical copy sits free (a request swapped back in, or one that skipped the cache):
+            # name the live block instead, or the free copy's eviction loses a prefix still held
+            first.block_hash = None
+            self.num_cached_free_blocks -= 1
         block.block_hash = block_hash
         self.cached[block_hash] = block
 

@@ -306,6 +306,7 @@ class KVCacheManager:
         """Move every block of ``group`` to the host pool; (device_block, host_block) pairs for the worker."""
         for req in group:  # the worker gets the whole table again at swap-in
             self._replaced.pop(req.request_id, None)
+            req.num_named_blocks = 0  # its table empties: the blocks it gets back (swap-in or recompute) are named anew
         return self.swap.swap_out(group)
 
     def swap_in(self, group: list[Request]) -> list[tuple[int, int]]:

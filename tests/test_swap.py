@@ -176,6 +176,70 @@ def test_a_swap_in_takes_the_blocks_of_its_step_with_asserts_stripped():
     assert run.stdout.strip() == "new 1 [1, 3, 2]"
 
 
+def test_blocks_swapped_back_in_are_named_in_the_prefix_cache_again():
+    # The scenario above with prefix caching: 'new' kept num_named_blocks 2 from before its swap-out,
+    # so the blocks it got back ([1, 3], the old copies evicted meanwhile) were never named and a
+    # later request with its 8 tokens as prefix hit nothing (cached_tokens 0, now 8).
+    kv = KVCacheManager(4, 4, enable_prefix_caching=True, num_cpu_blocks=8)
+    s = Scheduler(kv, 8, 64, PreemptionPolicy("swap", "fcfs", kv_bytes_per_block=1024))
+    s.add(Request("old", [1] * 4, SamplingParams(max_tokens=8)))
+    s.add(Request("new", [2] * 4, SamplingParams(max_tokens=8)))
+    swapped_in = []
+    while s.requests:
+        step = run_step(s)
+        if step.plan.blocks_to_swap_in:
+            swapped_in.append([(b, kv.pool.blocks[b].block_hash is not None) for b in s.requests["new"].block_table])
+    assert swapped_in == [[(1, True), (3, True), (2, False)]]  # the 9th token is not computed yet
+    late = Request("late", [2] * 4 + [7] * 4 + [5], SamplingParams(max_tokens=1))
+    s.add(late)
+    run_step(s)
+    assert late.num_cached_tokens == 8 and not s.requests
+    assert kv.num_free_blocks == 4 and sorted(b.block_id for b in kv.pool.cached.values()) == [1, 3]
+    kv.pool.check_invariants([])
+
+
+def test_a_swapped_request_given_up_for_recompute_names_its_new_blocks():
+    # The give-up path (Scheduler._schedule_swapped drops the host copy and requeues): the stale
+    # num_named_blocks 2 left its recomputed blocks unnamed too.
+    kv = KVCacheManager(6, 4, enable_prefix_caching=True, num_cpu_blocks=8)
+    req = Request("r", [3] * 9, SamplingParams())
+    kv.allocate_slots(req, 9)  # blocks 0, 1 named, 2 partial
+    req.num_computed_tokens = 9
+    kv.swap_out([req])
+    evictor = Request("e", [4] * 20, SamplingParams())
+    assert kv.allocate_slots(evictor, 20) == [3, 4, 5, 2, 1]  # evicts r's block 1
+    kv.free(evictor)
+    kv.free_host(req)  # what the give-up does
+    req.num_computed_tokens = 0
+    hits = kv.find_cached_prefix(req)
+    assert [b.block_id for b in hits] == [0]
+    assert kv.allocate_slots(req, 5, hits) == [1, 2]
+    assert [b.block_id for b in kv.find_cached_prefix(Request("c", [3] * 9, SamplingParams()))] == [0, 1]
+    kv.free(req)
+    kv.pool.check_invariants([])
+
+
+def test_a_block_swapped_in_beside_its_free_cached_copy_takes_over_the_name():
+    # Swap-in copies 'r' into blocks 3, 4, 5 while its old blocks 0, 1 still sit free with the same
+    # hashes. Keeping the free copies' names lost the prefix once they were evicted, though 'r'
+    # still held it: the live block now takes the name.
+    kv = KVCacheManager(8, 4, enable_prefix_caching=True, num_cpu_blocks=8)
+    req = Request("r", [3] * 9, SamplingParams())
+    kv.allocate_slots(req, 9)
+    req.num_computed_tokens = 9
+    kv.swap_out([req])
+    assert kv.num_cached_free_blocks == 2
+    kv.swap_in([req])
+    assert req.block_table == [3, 4, 5]
+    req.token_ids.append(7)
+    kv.allocate_slots(req, 1)
+    assert kv.num_cached_free_blocks == 0 and [kv.pool.lookup(h).block_id for h in req.block_hashes] == [3, 4]
+    evictor = Request("e", [4] * 17, SamplingParams())
+    assert kv.allocate_slots(evictor, 17) == [6, 7, 2, 1, 0]
+    assert [b.block_id for b in kv.find_cached_prefix(Request("c", [3] * 9, SamplingParams()))] == [3, 4]
+    kv.pool.check_invariants([req.block_table, evictor.block_table])
+
+
 def test_swapped_requests_resume_before_waiting_requests_are_admitted():
     s = make()
     s.add(Request("old", [1] * 4, SamplingParams(max_tokens=8)))

@@ -150,6 +150,9 @@ class Engine:
         engine = cls(config, model_config, tokenizer, client, new_kv())
         engine._new_kv = new_kv
         engine._pool_blocks = (num_gpu_blocks, num_cpu_blocks)
+        # a replacement worker must hold the pool the block tables are sized for; an explicit
+        # --num-gpu-blocks above the first worker's capacity was the user's call and is not re-checked
+        engine._restart_min_blocks = num_gpu_blocks if num_gpu_blocks <= hello.max_num_gpu_blocks else 0
         engine._worker_args = {"address": worker_address, "spawn": not external_worker, "secret": worker_secret}
         engine._last_restart = time.monotonic()
         engine.device = hello.device
@@ -501,7 +504,15 @@ class Engine:
                 attempts += 1
                 self.metrics.on_worker_restart()  # counted as it starts: one that dies starting was a restart too
                 try:
-                    await client.start()
+                    hello = await client.start()
+                    # the scheduler keeps the first pool's size: a replacement with less room (another
+                    # process took device memory) or another block size would over-allocate or corrupt
+                    if hello.max_num_gpu_blocks < self._restart_min_blocks:
+                        raise WorkerFailed(f"the new worker has room for {hello.max_num_gpu_blocks} KV blocks on "
+                                           f"{hello.device}, the pool needs {self._pool_blocks[0]}")
+                    if hello.kv_bytes_per_block != self.kv_bytes_per_block:
+                        raise WorkerFailed(f"the new worker's KV block is {hello.kv_bytes_per_block} B "
+                                           f"({hello.dtype}), the pool's {self.kv_bytes_per_block} B")
                     await client.init_cache(*self._pool_blocks)
                 except asyncio.CancelledError:  # shut down mid-restart: leave no worker behind
                     self.metrics.on_worker_restart_failure()  # it did not come up: restarts - failures stays honest

@@ -248,6 +248,31 @@ async def test_out_of_restarts_after_a_failed_start_the_recovery_span_is_an_erro
     assert span.status.status_code == StatusCode.ERROR and span.status.description == error
 
 
+async def test_a_replacement_with_room_for_fewer_blocks_than_the_pool_is_a_failed_restart(start, monkeypatch):
+    """Another process took device memory while the worker was down: the replacement reports room for
+    31 blocks but the scheduler's block tables span 32. Its start fails (counted, and the process is
+    killed) instead of over-allocating, and out of restarts the engine says why."""
+    import msgspec
+
+    engine = await start(device="cpu", num_gpu_blocks=32, max_worker_restarts=1)
+    started: list[engine_module.WorkerClient] = []
+
+    class LessRoom(engine_module.WorkerClient):
+        async def start(self, *args, **kwargs):
+            started.append(self)
+            return msgspec.structs.replace(await super().start(*args, **kwargs), max_num_gpu_blocks=31)
+
+    monkeypatch.setattr(engine_module, "WorkerClient", LessRoom)
+    os.kill(engine.client.process.pid, signal.SIGKILL)
+    await asyncio.wait_for(engine.failed.wait(), 60)
+
+    [replacement] = started
+    assert engine.health() == (False, "failed: worker restart failed: the new worker has room for 31 KV blocks on "
+                                      "cpu, the pool needs 32 (after 1 worker restarts, --max-worker-restarts 1)")
+    assert metric(engine, RESTARTS) == 1 and metric(engine, RESTART_FAILURES) == 1
+    assert not _alive(replacement.process.pid)
+
+
 @pytest.mark.parametrize("cut", ["start", "backoff"])  # while the replacement starts; before the next one
 async def test_a_shutdown_mid_recovery_leaves_restarts_minus_failures_at_zero_and_an_error_span(
         start, monkeypatch, cut):

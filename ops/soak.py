@@ -17,8 +17,9 @@ latency of completed requests (seconds), worker kills (SIGKILLs that hit a live 
 server's `pagedkv:worker_restarts_total` and `pagedkv:worker_restart_failures_total` (every kill
 forces one worker start: a kill landing on a replacement while it starts fails that start, and the
 next one follows, so kills == restarts), blocks leaked (device and host, must be 0), and the control
-plane's RSS at start and at the end (MiB). Exit status 1 when any block leaked, any request failed
-or the restarts counted differ from the kills.
+plane's RSS at start and at the end (MiB). Exit status 1 when any block leaked, any request failed,
+the restarts counted differ from the kills, or the worker killer failed (`killer_errors`: a /health
+check that got no answer, or the error that ended the killer).
 """
 
 from __future__ import annotations
@@ -107,6 +108,9 @@ class Soak:
         self.walkaways = 0  # clients drawn to walk away; those whose answer came first count as completed
         self.done = 0
         self.kills = 0
+        # what stopped or skipped kills: the killer task's failure (else lost when it is cancelled, and
+        # the soak passed with restarts == kills == 0) and /health checks that got no answer
+        self.killer_errors: collections.Counter = collections.Counter()
 
     async def one(self, session: aiohttp.ClientSession, url: str, body: dict, abort_after: float | None,
                   abort_chunks: int | None) -> None:
@@ -166,9 +170,13 @@ class Soak:
                 due = (a.kill_every and self.done >= next_at) or (a.kill_interval and time.monotonic() >= next_time)
                 if not due:
                     continue
-                async with session.get(url + "/health") as r:
-                    if r.status != 200:
-                        continue
+                try:
+                    async with session.get(url + "/health") as r:
+                        if r.status != 200:
+                            continue
+                except aiohttp.ClientError as e:  # the server must stay reachable: reported, and tried again
+                    self.killer_errors[f"/health: {type(e).__name__}"] += 1
+                    continue
                 self._kill(server_pid)
                 next_at += a.kill_every or 0
                 next_time = time.monotonic() + (a.kill_interval or 0)
@@ -203,6 +211,12 @@ class Soak:
             killer = asyncio.create_task(self.killer(url, server_pid))
             await asyncio.gather(*(client() for _ in range(a.concurrency)))
             killer.cancel()
+            try:
+                await killer
+            except asyncio.CancelledError:
+                pass
+            except Exception as e:  # noqa: BLE001 - kills stopped there: the soak must not pass as if they went on
+                self.killer_errors[f"{type(e).__name__}: {e}"] += 1
 
 
 async def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
@@ -278,6 +292,7 @@ async def main_async(args: argparse.Namespace) -> dict:
             "p50_latency_s": _percentile(soak.latencies, 0.50),
             "p99_latency_s": _percentile(soak.latencies, 0.99),
             "worker_kills": soak.kills,
+            "killer_errors": dict(soak.killer_errors),
             **counters,
             "blocks_leaked": snap["num_gpu_blocks"] - snap["num_free_blocks"],
             "host_blocks_leaked": snap["num_cpu_blocks"] - snap["num_free_cpu_blocks"],
@@ -324,10 +339,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
-    ok = (report["blocks_leaked"] == 0 and report["host_blocks_leaked"] == 0 and not report["errors"]
-          and report["live_requests_left"] == 0 and report["server_alive"]
-          and report["worker_restarts"] == report["worker_kills"])
-    return 0 if ok else 1
+    return 0 if passed(report) else 1
+
+
+def passed(report: dict) -> bool:
+    return (report["blocks_leaked"] == 0 and report["host_blocks_leaked"] == 0 and not report["errors"]
+            and report["live_requests_left"] == 0 and report["server_alive"] and not report["killer_errors"]
+            and report["worker_restarts"] == report["worker_kills"])
 
 
 if __name__ == "__main__":

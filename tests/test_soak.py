@@ -32,3 +32,44 @@ async def test_soak_1000_requests_with_aborts_and_worker_kills_leaks_nothing(sto
     assert report["blocks_leaked"] == 0 and report["host_blocks_leaked"] == 0 and report["live_requests_left"] == 0
     assert report["server_alive"]
     assert report["rss_mib_end"] < 2 * report["rss_mib_start"]
+
+
+async def _run_without_a_server(soak, killer=None) -> object:
+    """Soak.run with 20 requests that each take 20 ms and kills due every 5, against a port nobody
+    listens on (or with ``killer`` in place of the worker killer)."""
+    import asyncio
+
+    run = soak.Soak(soak.parse_args(["--requests", "20", "--concurrency", "1", "--kill-every", "5"]))
+
+    async def one(session, url, body, abort_after, abort_chunks):
+        await asyncio.sleep(0.02)
+        run.done += 1
+
+    run.one = one
+    if killer is not None:
+        run.killer = killer
+    await run.run(f"http://127.0.0.1:{soak._free_port()}", server_pid=-1)
+    return run
+
+
+async def test_a_health_check_with_no_answer_is_reported_and_fails_the_soak():
+    """It ended the killer task, its error lost when the task was cancelled: kills stopped and the
+    soak passed with restarts == kills == 0."""
+    soak = _soak()
+    run = await _run_without_a_server(soak)
+    assert set(run.killer_errors) == {"/health: ClientConnectorError"} and run.killer_errors.total() >= 2
+    assert run.kills == 0
+    report = {"blocks_leaked": 0, "host_blocks_leaked": 0, "errors": {}, "live_requests_left": 0,
+              "server_alive": True, "worker_restarts": 0, "worker_kills": 0}
+    assert soak.passed({**report, "killer_errors": {}})
+    assert not soak.passed({**report, "killer_errors": dict(run.killer_errors)})
+
+
+async def test_an_error_that_ends_the_killer_is_reported():
+    soak = _soak()
+
+    async def killer(url, server_pid):
+        raise PermissionError("not permitted")
+
+    run = await _run_without_a_server(soak, killer)
+    assert run.killer_errors == {"PermissionError: not permitted": 1}

@@ -616,6 +616,19 @@ def test_a_sharded_checkpoint_loads_the_shards_its_index_names_not_every_safeten
         weight_files(str(tmp_path))
 
 
+def test_saved_rotary_buffers_are_skipped_as_transformers_skips_them(tmp_path):
+    # older transformers saved each layer's rotary_emb.inv_freq, ColossalAI its cos/sin_cached: both were
+    # an "unexpected tensor" error; transformers loads the checkpoint and recomputes them from the config
+    model = _hf_checkpoint(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    for i in range(2):
+        tensors[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
+        tensors[f"model.layers.{i}.self_attn.rotary_emb.cos_cached"] = torch.ones(1, 1, 128, 8)
+        tensors[f"model.layers.{i}.self_attn.rotary_emb.sin_cached"] = torch.zeros(1, 1, 128, 8)
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    assert _greedy(tmp_path, GREEDY_PROMPT, 10) == _hf_greedy(model, GREEDY_PROMPT, 10)
+
+
 def test_a_stored_lm_head_unlike_the_embedding_is_kept_under_tie_word_embeddings(tmp_path):
     # config says tied, the file holds a trained head of its own: transformers 5 keeps it, so must we
     _hf_checkpoint(tmp_path, tie_word_embeddings=True)

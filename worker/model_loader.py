@@ -16,6 +16,8 @@ from pagedkv.worker.parallel import TensorParallel
 # older self_attn.k_proj.output_scale / v_proj.output_scale (one value per layer)
 _KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.(?:(k|v)_scale|(?:(k|v)_proj\.output_scale))")
 
+_ROPE_BUFFERS = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
 DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
           "bfloat16": torch.bfloat16}
 
@@ -148,7 +150,9 @@ def _load_safetensors(model: LlamaForCausalLM, config: ModelConfig, full_shapes:
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
-                if name.endswith("rotary_emb.inv_freq"):  # recomputed from the config
+                # RoPE buffers some exporters saved (inv_freq: older transformers; cos/sin_cached:
+                # ColossalAI): recomputed from the config, as transformers and vLLM skip them
+                if name.endswith(_ROPE_BUFFERS):
                     continue
                 if m := _KV_SCALE.fullmatch(name):  # an fp8 checkpoint's KV cache scales
                     attn = model.model.layers[int(m.group(1))].self_attn

@@ -347,7 +347,8 @@ def read_json(path: str):
 
 def weight_files(model_dir: str) -> list[str]:
     """The checkpoint's ``*.safetensors`` files, sorted: those ``model.safetensors.index.json`` maps
-    tensors to when it exists (as transformers and vLLM read them), else every one in the directory.
+    tensors to when it exists (as transformers and vLLM read them), else ``model.safetensors`` alone when
+    it exists (as transformers reads it), else every one in the directory.
 
     The index matters where a directory holds other weights beside the Hugging Face shards (Mistral's
     repositories add ``consolidated.safetensors`` in Mistral's own names). Raises FileNotFoundError
@@ -361,6 +362,8 @@ def weight_files(model_dir: str) -> list[str]:
         if absent := [f for f in files if not os.path.isfile(f)]:
             raise FileNotFoundError(f"{model_dir}: model.safetensors.index.json names {len(absent)} missing "
                                     f"file(s): {', '.join(os.path.basename(f) for f in absent[:3])}")
+    elif os.path.isfile(single := os.path.join(model_dir, "model.safetensors")):
+        files = [single]  # transformers loads only this one: others beside it (adapter_model.safetensors) are not the model's
     else:
         files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:

@@ -629,6 +629,16 @@ def test_saved_rotary_buffers_are_skipped_as_transformers_skips_them(tmp_path):
     assert _greedy(tmp_path, GREEDY_PROMPT, 10) == _hf_greedy(model, GREEDY_PROMPT, 10)
 
 
+def test_an_unsharded_checkpoint_loads_model_safetensors_not_every_safetensors_file_beside_it(tmp_path):
+    # a LoRA adapter saved next to the merged model: every *.safetensors was read and its tensors were
+    # an "unexpected tensor" error; transformers (no index) loads model.safetensors alone
+    model = _hf_checkpoint(tmp_path)
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(8, 32)},
+              str(tmp_path / "adapter_model.safetensors"))
+    assert weight_files(str(tmp_path)) == [str(tmp_path / "model.safetensors")]
+    assert _greedy(tmp_path, GREEDY_PROMPT, 10) == _hf_greedy(model, GREEDY_PROMPT, 10)
+
+
 def test_a_stored_lm_head_unlike_the_embedding_is_kept_under_tie_word_embeddings(tmp_path):
     # config says tied, the file holds a trained head of its own: transformers 5 keeps it, so must we
     _hf_checkpoint(tmp_path, tie_word_embeddings=True)

@@ -118,8 +118,12 @@ class ModelConfig(msgspec.Struct, frozen=True):
         """Build from a parsed HF ``config.json``.
 
         Raises ValueError when the architecture is not Llama-family (model_type, a hidden_act other
-        than silu, a RoPE scaling outside `ROPE_TYPES`) or a required field is missing.
+        than silu, a RoPE scaling outside `ROPE_TYPES`, attention or MLP biases), a required field is
+        missing, or a size is not a positive integer. A field set to null counts as absent.
         """
+        # an explicit null is the field left out (its default): a null rms_norm_eps or
+        # max_position_embeddings was a TypeError mid-step, a null rope_theta one at load
+        hf = {k: v for k, v in hf.items() if v is not None}
         # Both fields must say Llama or Mistral (same weights): a Qwen2 config with architectures
         # relabelled LlamaForCausalLM still has Qwen2's biases, and model_type "llama" with
         # Qwen2ForCausalLM is not ours either. Absent fields are taken as Llama.
@@ -132,6 +136,12 @@ class ModelConfig(msgspec.Struct, frozen=True):
                              f"Llama-family checkpoints (architectures [one of {', '.join(_ARCHITECTURES)}])")
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported: Llama-family MLPs use silu")
+        for key in ("attention_bias", "mlp_bias"):  # else refused only at weight load, never with dummy weights
+            if hf.get(key):
+                raise ValueError(f"{key} true is not supported: pagedkv's Llama layers have no biases")
+        eps = hf.get("rms_norm_eps", 1e-6)
+        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 < eps < float("inf"):
+            raise ValueError(f"rms_norm_eps must be a positive number, got {eps!r}")
         rope_theta, rope_scaling = _rope(hf)
         # the sizes the model is built from: a 0, a negative or a string here was a ZeroDivisionError
         # traceback or a worker's shape error instead of a line naming the field

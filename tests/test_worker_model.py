@@ -306,6 +306,20 @@ def test_a_hidden_act_other_than_silu_is_refused_by_name():
     assert ModelConfig.from_hf_dict(dict(EMBEDDED_LIKE, hidden_act="silu"), "x", None).hidden_size == 256
 
 
+def test_biases_are_refused_when_config_json_is_read_and_a_null_field_takes_its_default():
+    for key in ("attention_bias", "mlp_bias"):  # refused here, so --load-format dummy cannot run without them
+        with pytest.raises(ValueError, match=f"^{key} true is not supported: pagedkv's Llama layers have no biases$"):
+            ModelConfig.from_hf_dict(dict(EMBEDDED_LIKE, **{key: True}), "x", None)
+    plain = ModelConfig.from_hf_dict(dict(EMBEDDED_LIKE, attention_bias=False, mlp_bias=False), "x", None)
+    nulls = ModelConfig.from_hf_dict(dict(EMBEDDED_LIKE, rms_norm_eps=None, max_position_embeddings=None,
+                                          rope_theta=None, tie_word_embeddings=None), "x", None)
+    assert (nulls.rms_norm_eps, nulls.max_position_embeddings, nulls.rope_theta, nulls.tie_word_embeddings) == \
+        (1e-6, 2048, 10000.0, False)
+    assert plain.hidden_size == nulls.hidden_size == 256
+    with pytest.raises(ValueError, match=r"^rms_norm_eps must be a positive number, got '1e-5'$"):
+        ModelConfig.from_hf_dict(dict(EMBEDDED_LIKE, rms_norm_eps="1e-5"), "x", None)
+
+
 HF_STORIES = {"hidden_size": 64, "intermediate_size": 172, "num_hidden_layers": 5, "num_attention_heads": 8,
               "num_key_value_heads": 4, "vocab_size": 512, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
               "tie_word_embeddings": True}

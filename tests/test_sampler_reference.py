@@ -165,3 +165,13 @@ def test_logprobs_are_raw_and_top_logprobs_sorted():
     assert out.token_ids[1] == 5 and {t for t, _ in out.top_logprobs[1][:2]} == {5, 9}
     assert out.token_ids[2] == 2
 
+
+def test_a_temperature_just_below_1e5_that_float32_rounds_to_it_draws_with_real_noise():
+    """9.9999999e-6 is greedy to SamplingParams (float64) but 1e-5 in the float32 knobs, so the
+    sampler draws for it: with its noise left uninitialised (any_unseeded False) the token was
+    arbitrary, here 0 or 1 by run. Equal logits at T = 1e-5 draw uniformly with the generator's noise."""
+    logits = torch.zeros(2, 10)
+    params = [SamplingParams(temperature=9.9999999e-6), SamplingParams(seed=1)]
+    for seed in range(4):
+        want = int(torch.empty(2, 10).exponential_(generator=torch.Generator().manual_seed(seed))[0].reciprocal().argmax())
+        assert Sampler(seed, CPU)(logits, params, [[]] * 2, [[]] * 2).token_ids[0] == want

@@ -214,6 +214,11 @@ class ChatMessage(msgspec.Struct):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # tool-calling history: declared so a set value is refused (`_render_chat`), not dropped unseen;
+    # null / [] (what the openai SDK's message.model_dump() carries back) is accepted
+    tool_calls: Any = None
+    tool_call_id: Any = None
+    function_call: Any = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -672,6 +677,9 @@ async def _render_chat(engine, messages: list[ChatMessage] | None, add_generatio
                             "server with --chat-template, or use /v1/completions", "messages")
     rendered = []
     for i, m in enumerate(messages):
+        for field in ("tool_calls", "tool_call_id", "function_call"):
+            if getattr(m, field):
+                raise APIError(400, f"messages[{i}].{field}: tool calling is not supported", f"messages[{i}].{field}")
         content = m.content
         if isinstance(content, list):
             if any(p.type != "text" or p.text is None for p in content):

@@ -432,6 +432,27 @@ async def test_chat_top_logprobs_without_logprobs_gets_400(chat_http):
     assert (await resp.json())["error"]["param"] == "top_logprobs"
 
 
+async def test_chat_tool_call_history_is_refused_not_dropped(chat_http):
+    """An assistant turn's tool_calls and a tool turn's tool_call_id were dropped unseen, so the model
+    got a different conversation than sent; now refused as ``tools`` is. Their null values (the openai
+    SDK's message.model_dump()) still pass."""
+    call = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None, "tool_calls": call},
+               {"role": "tool", "content": "42", "tool_call_id": "c1"}]
+    for path, body in (("/v1/chat/completions", {"messages": history, "max_tokens": 1}),
+                       ("/tokenize", {"messages": history})):
+        resp = await chat_http.post(path, json=body)
+        assert resp.status == 400
+        assert (await resp.json())["error"] == {
+            "message": "messages[1].tool_calls: tool calling is not supported",
+            "type": "invalid_request_error", "param": "messages[1].tool_calls", "code": None}
+    resp = await chat_http.post("/tokenize", json={"messages": history[2:]})
+    assert (await resp.json())["error"]["param"] == "messages[0].tool_call_id"
+    dumped = {"role": "assistant", "content": "Once", "tool_calls": None, "function_call": None, "refusal": None}
+    resp = await chat_http.post("/tokenize", json={"messages": [dumped]})
+    assert resp.status == 200
+
+
 async def test_chat_template_error_gets_400(chat_http):
     resp = await chat_http.post("/v1/chat/completions", json={**CHAT_GOLDEN, "add_generation_prompt": False})
     assert resp.status == 400

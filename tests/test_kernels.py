@@ -159,6 +159,21 @@ def test_head_dim_256_block_128_matches_reference():
     assert_attention_matches(args, torch.bfloat16)
 
 
+@pytest.mark.parametrize("dtype,num_heads,num_kv_heads,head_dim,block_size", [
+    (torch.float16, 8, 1, 80, 1),  # head_dim 80: padded to 128, the padding masked; GQA 8
+    (torch.bfloat16, 8, 2, 96, 8),  # head_dim 96 (Phi-3): GQA 4
+    (torch.float32, 5, 1, 96, 128),  # a group of 5 on one KV head: padded head rows masked
+])
+def test_head_dims_that_are_not_powers_of_two_match_reference(dtype, num_heads, num_kv_heads, head_dim,
+                                                              block_size):
+    """Decodes (one long enough for split-K and its reduce), a prefill and extends starting mid-block."""
+    q_lens = [1, 21, 6, 1, 2]
+    ctx_before = [600, 0, block_size + block_size // 2, 3, 2 * block_size - 1]
+    args = make_batch(q_lens, [c + q for c, q in zip(ctx_before, q_lens)], num_heads, num_kv_heads,
+                      head_dim, block_size, dtype, seed=head_dim + block_size)
+    assert_attention_matches(args, dtype)
+
+
 def test_prefill_longer_than_one_query_tile_matches_reference():
     """A 300-token prompt spans several query tiles; each sees exactly its causal prefix."""
     args = make_batch([300, 1], [300, 40], num_heads=2, num_kv_heads=1, head_dim=64,
@@ -282,6 +297,21 @@ def test_write_kv_cache_stores_exactly_and_skips_padding_slots(dtype):
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn])
+def test_write_kv_cache_at_head_dim_80_three_kv_heads_and_block_size_1_is_exact(dtype):
+    """Heads and head_dim both padded to powers of two in the kernel; int32 slots with padding."""
+    gen = torch.Generator().manual_seed(9)
+    kv = torch.randn(7, 7, 80, generator=gen).to(torch.float16)
+    key, value = kv[:, :3], kv[:, 4:]
+    slots = torch.tensor([5, 0, -1, 11, 2, -1, 7], dtype=torch.int32)
+    caches = [torch.zeros(12, 1, 3, 80, dtype=dtype) for _ in range(4)]
+    scales = (0.05, 0.01) if dtype.itemsize == 1 else (1.0, 1.0)
+    reference.write_kv_cache(key, value, caches[0], caches[1], slots, *scales)
+    triton_kernels.write_kv_cache(key, value, caches[2], caches[3], slots, *scales)
+    assert torch.equal(caches[0].view(torch.uint8), caches[2].view(torch.uint8))
+    assert torch.equal(caches[1].view(torch.uint8), caches[3].view(torch.uint8))
+
+
 def test_write_kv_cache_casts_fp32_values_to_fp16_cache_exactly():
     key = torch.randn(5, 2, 8)
     value = torch.randn(5, 2, 8)
@@ -370,6 +400,15 @@ def test_triton_write_stores_exactly_what_the_reference_stores(dtype):
 @pytest.mark.parametrize("q_lens, seq_lens", FP8_BATCHES)
 def test_triton_attention_on_fp8_equals_dequantize_then_attend(dtype, q_lens, seq_lens):
     args, ks, vs = fp8_batch(dtype, q_lens, seq_lens, seed=len(seq_lens))
+    want = dequantize_then_attend(args, ks, vs)
+    got = triton_kernels.paged_attention(*args, k_scale=ks, v_scale=vs)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_triton_attention_on_fp8_at_head_dim_96_with_one_kv_head_equals_dequantize_then_attend(dtype):
+    args, ks, vs = fp8_batch(dtype, [1, 5, 20, 1], [300, 12, 45, 2], num_heads=4, num_kv_heads=1, head_dim=96,
+                             block_size=8, seed=96)
     want = dequantize_then_attend(args, ks, vs)
     got = triton_kernels.paged_attention(*args, k_scale=ks, v_scale=vs)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=0)

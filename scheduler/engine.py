@@ -92,6 +92,8 @@ class Engine:
         self._recovering: str | None = None  # why, while a worker restart is under way
         self._draining = False
         self._worker_args: dict = {}  # how to start the worker again (address, spawn, secret)
+        self._pool_blocks = (0, 0)  # (device, host) blocks every worker of this engine gets (`start`)
+        self._restart_min_blocks = 0  # a replacement worker must have room for this many device blocks
         self._restarts = 0  # consecutive worker restarts
         self._last_restart = 0.0
         self._quarantine: deque[RequestStream] = deque()  # suspects of a failed step, each to run a step alone first

@@ -45,6 +45,7 @@ import collections
 import hashlib
 import math
 import random
+import types
 from array import array
 from unittest import mock
 
@@ -219,8 +220,8 @@ class ModelWorker:
         self.broken = False
         self.num_restarts += 1
 
-    async def start(self) -> None:
-        pass
+    async def start(self) -> types.SimpleNamespace:
+        return self.hello  # what the engine checks a replacement's capacity against
 
     async def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         pass
@@ -306,7 +307,8 @@ def make_engine(cfg: EngineConfig, num_gpu_blocks: int, num_cpu_blocks: int, eos
     # a failed worker is replaced in place (an "external" one) and every live request recomputes
     engine._new_kv, engine._worker_args = new_kv, {"spawn": False}
     engine._pool_blocks = (num_gpu_blocks, num_cpu_blocks)
-    engine.scheduler.policy.kv_bytes_per_block = kv_bytes_per_block
+    engine.scheduler.policy.kv_bytes_per_block = engine.kv_bytes_per_block = kv_bytes_per_block
+    worker.hello = types.SimpleNamespace(max_num_gpu_blocks=num_gpu_blocks, kv_bytes_per_block=kv_bytes_per_block)
     engine._wake = WatchedEvent()
     engine.exercised = collections.Counter()  # preemptions by mode (`instrument`)
     instrument(engine)

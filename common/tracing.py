@@ -125,6 +125,11 @@ class RequestTracer:
             attrs["pagedkv.preempt.tokens_to_recompute"] = record.num_tokens
         if record.fallback:
             attrs["pagedkv.preempt.fallback"] = record.fallback
+        if (open_entry := self._preempt_spans.pop(sequence_id, None)) is not None:
+            # preempted again before resuming (a worker restart drops a swapped sequence's host KV):
+            # end the earlier span here, or it is replaced in the map and never ends nor exports
+            open_entry[0].set_attribute("pagedkv.preempt.wait_s", record.time - open_entry[1])
+            open_entry[0].end(end_time=_ns(record.time))
         span = self.tracer.start_span("kv.preempt", context=trace.set_span_in_context(request_span),
                                       start_time=_ns(record.time), attributes=attrs)
         self._preempt_spans[sequence_id] = (span, record.time)

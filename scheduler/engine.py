@@ -32,7 +32,7 @@ from pagedkv.scheduler.advice import Advisor, Sample, Settings
 from pagedkv.scheduler.kv_cache_manager import KVCacheManager
 from pagedkv.scheduler.metrics import Metrics
 from pagedkv.scheduler.output_processor import OutputProcessor, RequestOutput, RequestStream
-from pagedkv.scheduler.preemption import PreemptionPolicy
+from pagedkv.scheduler.preemption import Preemption, PreemptionPolicy
 from pagedkv.scheduler.request import Request, RequestStatus
 from pagedkv.scheduler.scheduler import KVAllocator, ScheduledStep, Scheduler
 from pagedkv.scheduler.tokenizer import Tokenizer
@@ -538,15 +538,18 @@ class Engine:
             trace(time.monotonic(), error="shut down during the recovery")
             raise
         self.client = client
-        num_requeued = self._requeue_all_for_recompute()
+        num_requeued = self._requeue_all_for_recompute(cause, started)
         self._last_restart = time.monotonic()
         self._recovering = None
         trace(self._last_restart, num_requeued)
         log.info("worker recovered", restart=self._restarts, attempts=attempts, requests_requeued=num_requeued,
                  seconds=round(self._last_restart - started, 3))
 
-    def _requeue_all_for_recompute(self) -> int:
+    def _requeue_all_for_recompute(self, cause: str = "", failed_at: float | None = None) -> int:
         """A fresh KV allocator and scheduler; every live sequence back in the waiting queue with nothing computed.
+
+        Each such sequence counts a preemption: traced as a recompute ``kv.preempt`` span (reason
+        ``worker_restart: <cause>``) from ``failed_at`` (time.monotonic() s) to its resumption.
 
         Each sibling group comes back as a preempted one does (`Scheduler._requeue`): its first
         member leads, recomputes the shared prompt and the others fork from it, so the group needs
@@ -557,6 +560,15 @@ class Engine:
         old = self.scheduler
         live = sorted((r for r in old.requests.values() if not r.status.finished), key=lambda r: r.arrival_time)
         live_ids = {id(r) for r in live}
+        # one record per group, costed on the tables the dead worker held, before they are reset
+        records = []
+        if self.tracer is not None:
+            at = time.monotonic() if failed_at is None else failed_at
+            for group in {id(r.group): [m for m in r.group if id(m) in live_ids] for r in live}.values():
+                num_blocks, num_tokens, swap_s, recompute_s = old.policy.costs(group)
+                records.append(Preemption([m.request_id for m in group], "recompute", f"worker_restart: {cause}",
+                                          num_blocks, num_tokens, num_blocks * self.kv_bytes_per_block, swap_s,
+                                          recompute_s, time=at))
         self.kv = self._new_kv()
         self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens, old.policy)
         self.output.scheduler = self.scheduler
@@ -580,6 +592,10 @@ class Engine:
                     stream.queued.append(m)
                 else:
                     self.scheduler.add(m)
+        for record in records:
+            for rid in record.request_ids:
+                if (stream := self.output.owner.get(rid)) is not None and stream.span is not None:
+                    self.tracer.preempt(stream.span, rid, record)
         self._wake.set()
         return len(live)
 

@@ -183,3 +183,22 @@ asyncio.run(main())
     assert names.count("llm_request") == 4
     assert names.count("kv.preempt") == preemptions > 0
     assert all(s["resource"]["attributes"]["service.name"] == "pagedkv-test" for s in spans)
+
+
+def test_a_sequence_preempted_again_before_resuming_ends_its_first_preempt_span():
+    """A worker restart while a sequence is swapped out preempts it again (its host KV is gone): the
+    swap span ends at the second preemption instead of being dropped unended."""
+    from pagedkv.scheduler.preemption import Preemption
+
+    exporter = InMemorySpanExporter()
+    tracer = make_tracer(span_exporter=exporter)
+    span = tracer.start_request("r", "m", 5, arrival_time=100.0)
+    swap = Preemption(["r"], "swap", "kv_cache_full", 2, 20, 40960, 0.1, 0.2, time=101.0)
+    tracer.preempt(span, "r", swap)
+    tracer.preempt(span, "r", Preemption(["r"], "recompute", "worker_restart: died", 0, 20, 0, 0.0, 0.2, time=103.5))
+    tracer.resume("r", "recompute", 0, 104.0)
+    tracer.end_request(span, ["r"], 7, "length", 100.0, 100.5)
+    first, second = [s for s in exporter.get_finished_spans() if s.name == "kv.preempt"]
+    assert (first.attributes["pagedkv.preempt.mode"], first.attributes["pagedkv.preempt.wait_s"]) == ("swap", 2.5)
+    assert (second.attributes["pagedkv.preempt.mode"], second.attributes["pagedkv.preempt.wait_s"]) == ("recompute", 0.5)
+    assert abs((first.end_time - first.start_time) / 1e9 - 2.5) < 1e-3

@@ -403,3 +403,36 @@ def test_serve_notices_an_idle_external_workers_death_and_takes_its_replacement(
     disconnected = [e for e in events if e["event"] == "worker disconnected"]
     assert [(e["rank"], e["pid"]) for e in disconnected] == [(0, workers[0].pid)]
     assert [e["event"] for e in events].count("worker recovered") == 1
+
+
+async def test_a_worker_restart_is_a_kv_preempt_span_of_every_request_it_requeued(start):
+    """The restart discards every sequence's KV (each counts a preemption): like any preemption, each
+    sequence requeued gets a recompute ``kv.preempt`` span under its request's span, from the failure
+    to its resumption, so a request's trace says why it stalled."""
+    engine = await start(device="cpu", num_gpu_blocks=32, max_worker_restarts=2)
+    exporter = _traced(engine)
+    seen: list[int] = []
+    greedy = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    run = asyncio.gather(_stream(engine, GOLDEN_PROMPT_IDS, greedy, seen),
+                         _stream(engine, GOLDEN_PROMPT_IDS, SamplingParams(n=2, temperature=0.8, seed=3,
+                                                                           max_tokens=60, ignore_eos=True), seen))
+    await _until(lambda: sum(seen) >= 3 * 10)
+    os.kill(engine.client.process.pid, signal.SIGKILL)
+    (solo, *_), (pair, *_) = await run
+    assert len(solo) == 60 and len(pair) == 120
+    spans = exporter.get_finished_spans()
+    requests = {s.context.span_id: s for s in spans if s.name == "llm_request"}
+    preempts = [s for s in spans if s.name == "kv.preempt"]
+    assert len(requests) == 2 and len(preempts) == 3  # one per sequence, as the request log's num_preemptions
+    recovery = _recovery_span(exporter)
+    for span in preempts:
+        a = span.attributes
+        owner = requests[span.parent.span_id]
+        assert len(a["pagedkv.preempt.request_ids"]) == owner.attributes["gen_ai.request.choice.count"]
+        assert a["pagedkv.request.id"] in a["pagedkv.preempt.request_ids"]
+        assert (a["pagedkv.preempt.mode"], a["pagedkv.resume.mode"]) == ("recompute", "recompute")
+        assert a["pagedkv.preempt.reason"] == "worker_restart: worker process exited with code -9"
+        assert a["pagedkv.preempt.num_blocks_freed"] >= 1 and a["pagedkv.preempt.tokens_to_recompute"] > 5
+        # from the failure (the same monotonic instant, converted to epoch ns apart) to past the recovery
+        assert abs(span.start_time - recovery.start_time) < 1e6 and span.end_time >= recovery.end_time - 1e6
+        assert [e.name for e in span.events] == ["kv.resume"]

@@ -739,6 +739,8 @@ class _API:
                  "cache_salt": request.app[API_KEYS].cache_salt(request.get(TENANT), req.cache_salt)}
         if traceparent := request.headers.get("traceparent"):  # W3C Trace Context: continue the client's trace
             extra["traceparent"] = traceparent
+            # and its vendor entries, which the spec says a participant passes on with it
+            extra["tracestate"] = request.headers.get("tracestate")
         return extra
 
     async def completions(self, request: web.Request) -> web.StreamResponse:

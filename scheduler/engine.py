@@ -205,10 +205,12 @@ class Engine:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, *, priority: int = 0, cache_salt: str | None = None,
-                    traceparent: str | None = None, prompt_only: bool = False) -> AsyncIterator[RequestOutput]:
+                    traceparent: str | None = None, tracestate: str | None = None,
+                    prompt_only: bool = False) -> AsyncIterator[RequestOutput]:
         """Queue a request; returns the async iterator of its output deltas (all choices).
 
-        traceparent: the client's W3C Trace Context header; the request's span continues that trace.
+        traceparent, tracestate: the client's W3C Trace Context headers; the request's span continues
+        that trace, with its tracestate.
         prompt_only: the caller drops the sampled tokens (echo with ``max_tokens`` 0 scores the prompt:
         one token is generated, as vLLM does); the request log and span count no completion tokens.
 
@@ -232,7 +234,7 @@ class Engine:
         stream.prompt_only = prompt_only
         if self.tracer is not None:
             stream.span = self.tracer.start_request(request_id, self.model_config.name, len(prompt_token_ids),
-                                                    stream.arrival_time, traceparent,
+                                                    stream.arrival_time, traceparent, tracestate,
                                                     attributes={"gen_ai.request.choice.count": params.n,
                                                                 "gen_ai.request.max_tokens": params.max_tokens})
         for req in members:

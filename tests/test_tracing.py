@@ -202,3 +202,28 @@ def test_a_sequence_preempted_again_before_resuming_ends_its_first_preempt_span(
     assert (first.attributes["pagedkv.preempt.mode"], first.attributes["pagedkv.preempt.wait_s"]) == ("swap", 2.5)
     assert (second.attributes["pagedkv.preempt.mode"], second.attributes["pagedkv.preempt.wait_s"]) == ("recompute", 0.5)
     assert abs((first.end_time - first.start_time) / 1e9 - 2.5) < 1e-3
+
+
+async def test_the_api_continues_the_tracestate_and_ignores_a_malformed_traceparent(stories260k):
+    """Trace Context: the vendor ``tracestate`` travels with the traceparent into the request span's
+    context (what it propagates onward); a malformed traceparent starts a new trace, the request still 200."""
+    exporter = InMemorySpanExporter()
+    engine = await Engine.start(EngineConfig(model=str(stories260k), num_gpu_blocks=16),
+                                tracer=make_tracer(span_exporter=exporter))
+    server = TestServer(build_app(engine), host="127.0.0.1", port=0)
+    await server.start_server()
+    try:
+        async with aiohttp.ClientSession() as session:
+            for headers in ({"traceparent": TRACEPARENT, "tracestate": "vendor=abc,other=1"},
+                            {"traceparent": "00-zz-not-a-trace-01", "tracestate": "vendor=abc"}):
+                async with session.post(f"http://127.0.0.1:{server.port}/v1/completions", headers=headers,
+                                        json={"prompt": GOLDEN_PROMPT, "max_tokens": 2, "temperature": 0}) as resp:
+                    assert resp.status == 200, await resp.text()
+        continued, fresh = [s for s in exporter.get_finished_spans() if s.name == "llm_request"]
+        assert format(continued.context.trace_id, "032x") == TRACE_ID
+        assert dict(continued.context.trace_state) == {"vendor": "abc", "other": "1"}
+        assert fresh.parent is None and format(fresh.context.trace_id, "032x") != TRACE_ID
+        assert dict(fresh.context.trace_state) == {}
+    finally:
+        await server.close()
+        await engine.shutdown()

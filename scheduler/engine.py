@@ -605,7 +605,11 @@ class Engine:
         """Count, log and trace a step's preemptions (one per preempted sequence), resumptions and swaps."""
         self.metrics.on_swap(len(step.plan.blocks_to_swap_out), len(step.plan.blocks_to_swap_in))
         for p in step.preemptions:
-            log.info("preempted", request_ids=p.request_ids, mode=p.mode, reason=p.reason, num_blocks=p.num_blocks,
+            # request_ids are sequence ids (<id>-0, <id>-beam2): request_id names the request they belong
+            # to (a group is one request's), the key that log queries join on
+            owner = self.output.owner.get(p.request_ids[0])
+            log.info("preempted", request_id=owner.request_id if owner is not None else p.request_ids[0],
+                     request_ids=p.request_ids, mode=p.mode, reason=p.reason, num_blocks=p.num_blocks,
                      num_tokens=p.num_tokens, swap_cost_s=p.swap_cost_s, recompute_cost_s=p.recompute_cost_s,
                      **({"fallback": p.fallback} if p.fallback else {}))
             for rid in p.request_ids:

@@ -227,3 +227,25 @@ async def test_the_api_continues_the_tracestate_and_ignores_a_malformed_tracepar
     finally:
         await server.close()
         await engine.shutdown()
+
+
+async def test_every_preempted_log_line_names_its_request_id(stories260k):
+    """The ``preempted`` line lists sequence ids (``<id>-0``, ``<id>-beam2`` for n > 1 and beams), which a
+    log query on ``request_id`` misses: it also carries the request id, as every request-related line."""
+    from structlog.testing import capture_logs
+
+    engine = await Engine.start(EngineConfig(model=str(stories260k), num_gpu_blocks=8, enable_prefix_caching=False))
+    try:
+        params = SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=60, ignore_eos=True)
+
+        async def run(rid):
+            return [o async for o in engine.add_request(GOLDEN_PROMPT_IDS, params, rid)]
+
+        with capture_logs() as logs:
+            await asyncio.gather(run("a"), run("b"))
+        preempted = [e for e in logs if e["event"] == "preempted"]
+        assert len(preempted) > 0 and engine.scheduler.num_preemptions == sum(len(e["request_ids"]) for e in preempted)
+        for e in preempted:
+            assert e["request_ids"] == [f"{e['request_id']}-0", f"{e['request_id']}-1"]
+    finally:
+        await engine.shutdown()

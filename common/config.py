@@ -159,6 +159,8 @@ class ModelConfig(msgspec.Struct, frozen=True):
         if heads and not hf.get("head_dim") and hf.get("hidden_size", 0) % heads:
             raise ValueError(f"hidden_size {hf['hidden_size']} is not a multiple of num_attention_heads {heads} "
                              "(and there is no head_dim)")
+        if (head_dim := hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]) % 2:
+            raise ValueError(f"head_dim {head_dim} is odd: RoPE rotates pairs of dimensions")  # was an unclear error mid-step
         try:
             heads = hf["num_attention_heads"]
             hidden = hf["hidden_size"]

@@ -306,7 +306,7 @@ def test_a_hidden_act_other_than_silu_is_refused_by_name():
     assert ModelConfig.from_hf_dict(dict(EMBEDDED_LIKE, hidden_act="silu"), "x", None).hidden_size == 256
 
 
-def test_biases_are_refused_when_config_json_is_read_and_a_null_field_takes_its_default():
+def test_biases_and_odd_head_dims_are_refused_when_config_json_is_read_and_a_null_field_takes_its_default():
     for key in ("attention_bias", "mlp_bias"):  # refused here, so --load-format dummy cannot run without them
         with pytest.raises(ValueError, match=f"^{key} true is not supported: pagedkv's Llama layers have no biases$"):
             ModelConfig.from_hf_dict(dict(EMBEDDED_LIKE, **{key: True}), "x", None)
@@ -316,6 +316,10 @@ def test_biases_are_refused_when_config_json_is_read_and_a_null_field_takes_its_
     assert (nulls.rms_norm_eps, nulls.max_position_embeddings, nulls.rope_theta, nulls.tie_word_embeddings) == \
         (1e-6, 2048, 10000.0, False)
     assert plain.hidden_size == nulls.hidden_size == 256
+    with pytest.raises(ValueError, match=r"^head_dim 7 is odd: RoPE rotates pairs of dimensions$"):
+        ModelConfig.from_hf_dict(dict(EMBEDDED_LIKE, head_dim=7), "x", None)
+    with pytest.raises(ValueError, match=r"^head_dim 9 is odd: RoPE rotates pairs of dimensions$"):
+        ModelConfig.from_hf_dict(dict(EMBEDDED_LIKE, hidden_size=72), "x", None)  # 72 / 8 heads
     with pytest.raises(ValueError, match=r"^rms_norm_eps must be a positive number, got '1e-5'$"):
         ModelConfig.from_hf_dict(dict(EMBEDDED_LIKE, rms_norm_eps="1e-5"), "x", None)
 

@@ -154,9 +154,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=d.gpu_memory_utilization,
                    help="CUDA: fraction of device memory for weights, activations and the KV pool")
     g.add_argument("--cpu-kv-cache-space", type=_float_in(0.0, lo_open=True), default=d.cpu_kv_cache_space,
-                   metavar="GIB", help="CPU: KV pool budget in GiB")
+                   metavar="GIB", help="CPU: KV pool budget in GiB, per rank (-tp N uses N times this)")
     g.add_argument("--swap-space", type=_float_in(0.0), default=d.swap_space, metavar="GIB",
-                   help="host memory for swapped-out KV blocks, GiB")
+                   help="host memory for swapped-out KV blocks, GiB per rank (-tp N uses N times this)")
     g.add_argument("--preemption-mode", choices=["recompute", "swap", "auto"], default=d.preemption_mode,
                    help="how a request gives up its KV blocks when the pool runs dry: recompute them later, "
                         "swap them to host memory, or auto: per victim, whichever the cost model says is cheaper")

@@ -50,6 +50,19 @@ class _EngineFailed(Exception):
     """The engine cannot serve any more (worker restarts exhausted); every request has been failed."""
 
 
+def kv_cache_sizes(num_gpu_blocks: int, num_cpu_blocks: int, kv_bytes_per_block: int, world_size: int,
+                   device: str) -> dict:
+    """The KV pools' sizes for the start-up log, in GiB (2^30 B), rounded to 3 places.
+
+    kv_cache_gib and swap_space_gib are what one rank allocates (its blocks hold its shard of the KV
+    heads); under -tp N every rank allocates as much, so host memory is N times the swap pool (plus N
+    times the KV pool on a CPU device): host_kv_gib_all_ranks says so, as --swap-space alone does not.
+    """
+    gib = lambda n: round(n * kv_bytes_per_block / 2**30, 3)  # noqa: E731
+    host_blocks = num_cpu_blocks + (num_gpu_blocks if device.startswith("cpu") else 0)
+    return {"kv_cache_gib": gib(num_gpu_blocks), "swap_space_gib": gib(num_cpu_blocks),
+            "world_size": world_size, "host_kv_gib_all_ranks": gib(world_size * host_blocks)}
+
 
 class Engine:
     """A running engine: control-plane state plus one worker process.
@@ -134,8 +147,8 @@ class Engine:
             # device pool (GPU memory, or host memory on a CPU device) and the swap pool in host memory
             log.info("allocating the KV cache", num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
                      block_size=config.block_size, device=hello.device,
-                     kv_cache_gib=round(num_gpu_blocks * hello.kv_bytes_per_block / 2**30, 3),
-                     swap_space_gib=round(num_cpu_blocks * hello.kv_bytes_per_block / 2**30, 3),
+                     **kv_cache_sizes(num_gpu_blocks, num_cpu_blocks, hello.kv_bytes_per_block,
+                                      config.tensor_parallel_size, hello.device),
                      swap_gib_per_s=round(hello.swap_bandwidth / 2**30, 2) if hello.swap_bandwidth else None)
             await client.init_cache(num_gpu_blocks, num_cpu_blocks)
         except BaseException:

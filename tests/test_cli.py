@@ -347,6 +347,22 @@ def test_help_shows_defaults(capsys):
         "--chat-template" in out
 
 
+
+def test_kv_pool_sizes_are_labelled_per_rank_with_the_host_total(capsys):
+    # measured at -tp 2 on CPU: every rank allocated 0.25 GiB of KV (26,214 blocks of 10,240 B) and 0.125 GiB
+    # of swap (13,107 blocks), 0.75 GiB of host memory in all, but the log said only 0.25 and 0.125
+    from pagedkv.scheduler.engine import kv_cache_sizes
+    assert kv_cache_sizes(26214, 13107, 10240, 2, "cpu") == {
+        "kv_cache_gib": 0.25, "swap_space_gib": 0.125, "world_size": 2, "host_kv_gib_all_ranks": 0.75}
+    # on CUDA only the swap pools are host memory: 4 ranks x 4 GiB
+    assert kv_cache_sizes(27157, 32768, 131072, 4, "cuda:0") == {
+        "kv_cache_gib": 3.315, "swap_space_gib": 4.0, "world_size": 4, "host_kv_gib_all_ranks": 16.0}
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "CPU: KV pool budget in GiB, per rank (-tp N uses N times this)" in out
+    assert "host memory for swapped-out KV blocks, GiB per rank (-tp N uses N times this)" in out
+
 def _bad_checkpoint(tmp_path: Path, stories260k: Path, kind: str) -> Path:
     d = tmp_path / kind.replace(":", "_").replace("=", "_")
     d.mkdir()

@@ -145,7 +145,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-config", required=True, metavar="PATH",
                         help="a Hugging Face config.json, or the directory holding it")
     parser.add_argument("--gpu-memory-gib", required=True, type=_positive(float, "--gpu-memory-gib"),
-                        metavar="GIB", help="device memory in GiB (an '80 GB' H100 has 80 GiB)")
+                        metavar="GIB", help="device memory in GiB (PyTorch reports 79.11 GiB for an '80 GB' H100)")
     parser.add_argument("--gpu-memory-utilization", type=_positive(float, "--gpu-memory-utilization", hi=1.0),
                         default=0.9, help="fraction of device memory the engine may use (default 0.9)")
     parser.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",

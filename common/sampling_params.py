@@ -22,10 +22,12 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     temperature: below MIN_TEMPERATURE (1e-5), 0 included, means greedy. top_p in (0, 1]; top_k -1 or 0 disables; min_p in [0, 1].
     repetition_penalty > 0 (1 = off, applies to prompt and output tokens, as in HF/vLLM);
     presence_penalty and frequency_penalty in [-2, 2] (output tokens only, as OpenAI).
-    max_tokens: output tokens at most. logprobs: None, or how many top alternatives to return
+    max_tokens: output tokens at most; None: up to max_model_len (as vLLM; the engine resolves it
+    per prompt, also bounded by what the KV pool can hold). logprobs: None, or how many top alternatives to return
     with each sampled token's own log-probability (0 = only the sampled token's).
     stop: strings that end the output; stop_token_ids: token ids that end it; neither is in the
-    text unless include_stop_str_in_output. ignore_eos: keep going past the model's EOS.
+    text unless include_stop_str_in_output. A single stop string and None (for stop,
+    stop_token_ids, logit_bias) are accepted as in vLLM and normalized in ``__post_init__``. ignore_eos: keep going past the model's EOS.
     min_tokens: output tokens before EOS, a stop token or a stop string may end it (vLLM).
     logit_bias: token id -> value in [-100, 100] added to its logit before sampling (OpenAI).
     prompt_logprobs: None, or how many top alternatives to return with each prompt token's own
@@ -42,7 +44,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     logprobs: int | None = None
     stop: list[str] = []
     stop_token_ids: list[int] = []
@@ -57,15 +59,30 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     length_penalty: float = 1.0
     early_stopping: bool = False
 
+    def __post_init__(self) -> None:
+        # vLLM takes stop="x" and None for these; a str reached the worker as a list field it could
+        # not decode, so the step was dropped and generate() hung
+        if isinstance(self.stop, str):
+            msgspec.structs.force_setattr(self, "stop", [self.stop])
+        for f, empty in (("stop", list), ("stop_token_ids", list), ("logit_bias", dict)):
+            if getattr(self, f) is None:
+                msgspec.structs.force_setattr(self, f, empty())
+
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE
 
     def validate(self, max_logprobs: int = 20, max_n: int = 1, max_stop: int | None = None) -> None:
-        """Raise ValueError("<field>: <why>") for the first invalid field.
+        """Raise ValueError("<field>: <why>") for the first invalid field (a wrong type included).
 
         max_stop: most stop strings accepted (None: no limit).
         """
+        try:  # the constructor does not check types; one the worker cannot decode hangs its step
+            msgspec.convert(msgspec.structs.asdict(self), type(self))
+        except msgspec.ValidationError as e:
+            where = str(e).rpartition("`$.")[2].split("`")[0].split("[")[0]
+            raise ValueError(f"{where}: {str(e).split(' - at ')[0]}") from None
+
         def bad(field: str, why: str) -> None:
             raise ValueError(f"{field}: {why}")
 
@@ -90,13 +107,13 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
             bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         if not -2 <= self.frequency_penalty <= 2:
             bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
-        if self.max_tokens < 1:
+        if self.max_tokens is not None and self.max_tokens < 1:
             bad("max_tokens", f"must be >= 1, got {self.max_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
             bad("logprobs", f"must be between 0 and {max_logprobs}, got {self.logprobs}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= max_logprobs:
             bad("prompt_logprobs", f"must be between 0 and {max_logprobs}, got {self.prompt_logprobs}")
-        if not 0 <= self.min_tokens <= self.max_tokens:
+        if not 0 <= self.min_tokens <= (self.max_tokens if self.max_tokens is not None else self.min_tokens):
             bad("min_tokens", f"must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}")
         for token, bias in self.logit_bias.items():
             finite(f"logit_bias.{token}", bias)

@@ -832,13 +832,7 @@ class _API:
             raise APIError(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:  # OpenAI: up to the context limit; here also up to what the pool can hold
-            snap = engine.kv_cache_snapshot()
-            # for all n sequences (or beams) at once: they share the prompt's full blocks before their fork
-            # point, each holds prompt + max_tokens - 1 tokens (as Engine._validate counts the group)
-            bs, shared = snap["block_size"], (len(prompt) - 1) // snap["block_size"]
-            blocks_each = shared + (snap["num_gpu_blocks"] - shared) // max(req.n, 1)
-            room = min(engine.max_model_len - len(prompt), blocks_each * bs - len(prompt) + 1)
-            max_tokens = max(room, 1)
+            max_tokens = engine.max_tokens_room(len(prompt), req.n)
         try:
             params = _sampling_params(req, engine, max_tokens=max_tokens,
                                       logprobs=(req.top_logprobs or 0) if req.logprobs else None)

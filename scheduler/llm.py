@@ -119,8 +119,9 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Complete each prompt; returns one `RequestOutput` per prompt, in order.
 
-        prompts: a string, a list of strings, or token-id prompts as ``{"prompt_token_ids": [...]}``
-        (one or a list). sampling_params: one for all prompts or one per prompt (default:
+        prompts: a string, a list of strings, or vLLM's prompt dicts ``{"prompt": str}`` and
+        ``{"prompt_token_ids": [...]}`` (one or a list, mixed). SamplingParams ``max_tokens=None``:
+        up to max_model_len. sampling_params: one for all prompts or one per prompt (default:
         ``SamplingParams()``, vLLM's defaults). Raises ValueError("<field>: <why>") for a request the
         engine cannot serve, before any prompt runs.
         """
@@ -132,8 +133,11 @@ class LLM:
                 items.append((p, self.engine.tokenizer.encode(p)))
             elif isinstance(p, dict) and "prompt_token_ids" in p:
                 items.append((p.get("prompt"), list(p["prompt_token_ids"])))
+            elif isinstance(p, dict) and isinstance(p.get("prompt"), str):  # vLLM's TextPrompt
+                items.append((p["prompt"], self.engine.tokenizer.encode(p["prompt"])))
             else:
-                raise TypeError(f"prompts: expected a string or {{'prompt_token_ids': [...]}}, got {p!r:.80}")
+                raise TypeError(f"prompts: expected a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}, "
+                                f"got {p!r:.80}")
         return self._run(items, sampling_params, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],

@@ -169,3 +169,23 @@ def test_an_llm_dropped_without_shutdown_stops_its_worker_when_collected(stories
     while Path(f"/proc/{worker.pid}").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not Path(f"/proc/{worker.pid}").exists()  # stopped and reaped
+
+
+def test_vllm_spellings_of_stop_max_tokens_and_text_prompts(llm):
+    # SamplingParams(stop="Lily") reached the worker as a str where it decodes a list: the step was
+    # dropped and generate() hung (worker restarts every --worker-timeout); max_tokens=None was a
+    # TypeError ('<' between NoneType and int); {"prompt": ...} (vLLM's TextPrompt) a TypeError
+    from pagedkv import SamplingParams
+
+    [out] = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=60, stop="Lily"), use_tqdm=False)
+    assert (out.outputs[0].text, out.outputs[0].stop_reason) == (", there was a little girl named ", "Lily")
+    assert SamplingParams(stop=None, stop_token_ids=None, logit_bias=None) == SamplingParams()
+    [out] = llm.generate({"prompt": GOLDEN_PROMPT}, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
+                         use_tqdm=False)
+    assert out.prompt == GOLDEN_PROMPT and out.prompt_token_ids == GOLDEN_PROMPT_IDS
+    c = out.outputs[0]
+    assert (len(c.token_ids), c.finish_reason) == (512 - len(GOLDEN_PROMPT_IDS), "length")  # max_model_len 512
+    assert c.token_ids[:60] == GOLDEN_OUTPUT_IDS
+    with pytest.raises(ValueError, match=re.escape("stop_token_ids: Expected `array`, got `int`")):
+        llm.generate("Once", SamplingParams(stop_token_ids=2), use_tqdm=False)
+    assert llm.engine.kv_cache_snapshot()["num_free_blocks"] == 64

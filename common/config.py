@@ -305,6 +305,10 @@ class EngineConfig(msgspec.Struct):
     k_scale: float | None = None
     v_scale: float | None = None
 
+    def __post_init__(self) -> None:
+        # vLLM's --dtype aliases: LLM(dtype="half") (common in ported code) was refused by validate()
+        self.dtype = {"half": "float16", "float": "float32"}.get(self.dtype, self.dtype) if isinstance(self.dtype, str) else self.dtype
+
     def validate(self) -> None:
         """Check every field's type and range as the ``pagedkv serve`` flags do, before a worker starts.
 

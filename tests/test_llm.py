@@ -189,3 +189,11 @@ def test_vllm_spellings_of_stop_max_tokens_and_text_prompts(llm):
     with pytest.raises(ValueError, match=re.escape("stop_token_ids: Expected `array`, got `int`")):
         llm.generate("Once", SamplingParams(stop_token_ids=2), use_tqdm=False)
     assert llm.engine.kv_cache_snapshot()["num_free_blocks"] == 64
+
+
+def test_vllm_dtype_aliases_are_accepted():
+    # LLM(model, dtype="half") was "dtype: must be one of auto, float32, float16, bfloat16, got 'half'"
+    from pagedkv.common.config import EngineConfig
+
+    assert [EngineConfig(dtype=d).dtype for d in ("half", "float", "bfloat16", "auto")] == \
+        ["float16", "float32", "bfloat16", "auto"]

@@ -71,9 +71,10 @@ class APIError(Exception):
     """An error returned to the client as an OpenAI-style JSON body with an HTTP status."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None):
+                 type: str = "invalid_request_error", code: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+        self.headers = headers or {}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -116,8 +117,8 @@ async def _auth(request: web.Request, handler):
         try:
             request[TENANT] = request.app[API_KEYS].check(request.headers.get("Authorization"),
                                                           admin_route=request.path.startswith("/kv_cache"))
-        except PermissionError as e:
-            raise APIError(401, str(e), code="invalid_api_key") from None
+        except PermissionError as e:  # RFC 9110 §15.5.2: a 401 must name the scheme it wants (RFC 6750)
+            raise APIError(401, str(e), code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}) from None
     return await handler(request)
 
 
@@ -129,7 +130,9 @@ async def _errors(request: web.Request, handler):
     except APIError as e:
         if e.status < 500:
             log.info("request rejected", path=request.path, status=e.status, param=e.param, error=e.message)
-        return _json(e.body(), e.status)
+        resp = _json(e.body(), e.status)
+        resp.headers.update(e.headers)
+        return resp
     except web.HTTPException as e:
         if e.status < 400:
             raise

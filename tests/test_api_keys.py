@@ -69,6 +69,7 @@ async def shared_cache(engine):
 async def test_request_without_a_valid_key_gets_401_in_openai_format(keyed, headers, method, path):
     resp = await keyed.request(method, path, json=GREEDY_60, headers=headers)
     assert resp.status == 401
+    assert resp.headers["WWW-Authenticate"] == "Bearer"  # RFC 9110: a 401 names the scheme it wants
     error = (await resp.json())["error"]
     assert error["type"] == "invalid_request_error" and error["code"] == "invalid_api_key" and error["param"] is None
 

@@ -137,6 +137,7 @@ class WorkerClient:
         self._secret = secret
         self._channel = protocol.Channel(secret)
         self._dropped = 0  # frames dropped since the last log line
+        self._bad_macs = 0  # frames with a wrong MAC before the group formed: a worker with another secret
         self._dropped_logged_at = 0.0
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -322,6 +323,9 @@ class WorkerClient:
             if remaining <= 0:
                 who = "worker" if self.world_size == 1 else f"worker {waiting_for}"
                 self.failed = f"{who} did not answer within {timeout:g} s (--worker-timeout)"
+                if self._bad_macs and not self._identities:  # the likely cause, said where it is read
+                    self.failed += (f"; {self._bad_macs} frames with a wrong MAC arrived meanwhile: does the worker "
+                                    f"have this control plane's secret ({protocol.SECRET_ENV}, --worker-secret-file)?")
                 raise WorkerFailed(self.failed)
             # A result already waiting is read at once: awaiting poll() costs several event-loop passes,
             # each as long as everything else ready on the loop (a burst of arriving requests, streaming)
@@ -390,6 +394,7 @@ class WorkerClient:
                 msg = self._channel.open_from_worker(frames[1])
             except protocol.Unauthenticated as e:
                 why = str(e)
+                self._bad_macs += not registered
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 why = f"an authenticated but malformed message: {e}"
             else:

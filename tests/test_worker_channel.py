@@ -147,6 +147,27 @@ async def test_the_end_of_an_external_workers_connection_fails_the_client_and_no
         ctx.term()
 
 
+async def test_a_worker_with_another_secret_fails_the_start_naming_the_secret():
+    """Its Register is dropped (wrong MAC); the start's timeout says why instead of only 'did not answer'."""
+    from pagedkv.scheduler.worker_client import WorkerClient, WorkerFailed
+
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    client = WorkerClient(EngineConfig(), address, spawn=False, secret=b"k" * 64)
+    ctx = zmq.asyncio.Context()
+    try:
+        other = _FakeRank(ctx, address, b"not-the-secret" * 4, pid=1)  # kept: its socket lives till the end
+        await other.register()
+        with pytest.raises(WorkerFailed) as e:
+            await client.start(register_timeout=1.0)
+        assert str(e.value) == ("worker did not answer within 1 s (--worker-timeout); 1 frames with a wrong MAC "
+                                "arrived meanwhile: does the worker have this control plane's secret "
+                                "(PAGEDKV_WORKER_SECRET, --worker-secret-file)?")
+    finally:
+        other.sock.close(0)  # before term(), which waits for every socket
+        await client.close()
+        ctx.term()
+
+
 async def test_a_rank_that_disconnects_while_its_group_forms_fails_the_start_at_once():
     """-tp 2 by hand: rank 0 registers, then dies before rank 1 comes; `start` says so instead of
     waiting out the registration timeout, and `forget_worker` leaves nothing of it to trip the next start."""

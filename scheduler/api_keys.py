@@ -35,7 +35,7 @@ class APIKeys:
 
     keys, admin_keys: accepted keys (no keys at all: the API is open). prefix_cache_isolation:
     "api-key" salts each key's prefix cache, "none" shares it; None picks "api-key" when keys are set.
-    Raises ValueError for an unknown isolation mode or an empty key.
+    Raises ValueError for an unknown isolation mode, an empty key or one with surrounding whitespace.
     """
 
     def __init__(self, keys=(), admin_keys=(), prefix_cache_isolation: str | None = None):
@@ -43,6 +43,8 @@ class APIKeys:
         self._admin = [k.encode() for k in admin_keys]
         if any(not k for k in self._keys + self._admin):
             raise ValueError("--api-key: keys must not be empty")
+        if any(k != k.strip() for k in self._keys + self._admin):  # a presented token is stripped: it could never match
+            raise ValueError("--api-key: keys must not begin or end with whitespace")
         if prefix_cache_isolation is None:
             prefix_cache_isolation = "api-key" if self.enabled else "none"
         if prefix_cache_isolation not in ("none", "api-key"):
@@ -81,6 +83,6 @@ class APIKeys:
 
         The fingerprint has a fixed length, so no user salt can spell another tenant's prefix.
         """
-        if self.prefix_cache_isolation == "none" or tenant is None:
-            return cache_salt
+        if self.prefix_cache_isolation == "none" or tenant is None or cache_salt == "":
+            return cache_salt  # "" is refused (Engine), as it is without keys: not turned into the tenant's bare salt
         return f"{tenant}:{cache_salt or ''}"

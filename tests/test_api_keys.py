@@ -149,3 +149,12 @@ async def test_keys_come_from_flags_and_environment(monkeypatch):
     open_args = parser.parse_args(["serve"])
     assert _api_keys(open_args, parser).prefix_cache_isolation == "none"
     assert _api_keys(open_args, parser).check(None, admin_route=True) is None
+
+
+async def test_an_empty_cache_salt_stays_empty_for_a_tenant_so_the_engine_refuses_it_as_without_keys():
+    keys = APIKeys(["k"])
+    tenant = fingerprint("k")
+    assert keys.cache_salt(tenant, "") == ""  # was f"{tenant}:", accepted where a keyless server gives 400
+    assert keys.cache_salt(tenant, None) == f"{tenant}:"
+    assert keys.cache_salt(tenant, "s") == f"{tenant}:s"
+    assert APIKeys().cache_salt(None, "") == ""

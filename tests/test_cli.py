@@ -55,6 +55,7 @@ BAD_FLAGS = [
      "--external-worker needs the worker-channel secret: --worker-secret-file PATH or PAGEDKV_WORKER_SECRET"),
     (["--worker-secret-file", "/nonexistent/secret"], "--worker-secret-file: [Errno 2]"),
     (["--api-key", ""], "--api-key: keys must not be empty"),
+    (["--api-key", " k"], "--api-key: keys must not begin or end with whitespace"),  # could never match
     (["--max-choices", "0"], "argument --max-choices: must be >= 1, got 0"),
     (["--stream-interval", "0"], "argument --stream-interval: must be >= 1, got 0"),
     # inf passed the range checks: --swap-space inf was an OverflowError traceback (exit 1), --k-scale inf

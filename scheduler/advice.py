@@ -99,6 +99,12 @@ def advise(samples: list[Sample], finished: list[tuple[float, int]], settings: S
         return out
     start = samples[-1].time - t.window_s
     window = [s for s in samples if s.time >= start]
+    # open the window at the last sample before its start: live samples come a little over
+    # interval_s apart, never exactly window_s before the last, so without it the span always fell
+    # short of window_s (underused, which needs low_usage_min_s = window_s, never fired) and the
+    # preemptions of the first interval went uncounted
+    if before := [s for s in samples if s.time < start]:
+        window.insert(0, before[-1])
     lengths = [n for when, n in finished if when >= start]
     first, last = window[0], window[-1]
     elapsed = last.time - first.time

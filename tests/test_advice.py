@@ -181,3 +181,23 @@ async def test_live_run_with_a_small_pool_advises_lower_concurrency_or_fp8_with_
                             "--kv-cache-dtype fp8 (≈4× blocks), or --max-model-len 64")
     logged = [e for e in logs if e["event"] == "kv cache advice"]
     assert logged and logged[0]["rule"] == "preemption_pressure"
+
+
+def test_live_samples_a_little_over_a_second_apart_still_span_the_ten_minute_window():
+    # the sampler sleeps 1 s after each sample, so samples land ~1.002 s apart and none falls exactly
+    # 600 s before the last: the window used to span 599.2 s and underused never fired
+    settings = Settings(**{**LLAMA_8B.__dict__, "num_gpu_blocks": 100_000})
+    advisor = Advisor(settings)
+    for t in range(700):
+        advisor.record(Sample(1000 + t * 1.002, 0.2, 256, 12, 0, 0.0, t // 10))
+    for _ in range(40):
+        advisor.on_finished(1500.0, 500)
+    out = advisor.advice()
+    # the last sample is at 1700.398; the window opens at the one before 1100.398 (t = 100)
+    assert out["observed"]["window_s"] == 600.198 and out["observed"]["num_samples"] == 600
+    assert out["observed"]["preemptions"] == 59  # the counter: 69 at the last sample, 10 at the opening one
+    assert out["advice"] == [{
+        "rule": "underused", "flags": {"--max-num-seqs": 1024},
+        "message": "usage below 40% for 10 min (mean 20%) with 12 requests waiting at the max_num_seqs cap: "
+                   "raise --max-num-seqs from 256 to ~1024"}]
+

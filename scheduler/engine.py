@@ -601,6 +601,9 @@ class Engine:
                                           recompute_s, time=at))
         self.kv = self._new_kv()
         self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens, old.policy)
+        # a counter since the engine started, like pagedkv:num_preemptions_total: the advice reads
+        # its deltas, and a reset to 0 gave a negative preemption count for the next 10 minutes
+        self.scheduler.num_preemptions = old.num_preemptions
         self.output.scheduler = self.scheduler
         for req in live:
             req.status, req.num_computed_tokens, req.block_table, req.num_named_blocks = RequestStatus.WAITING, 0, [], 0

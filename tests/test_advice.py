@@ -201,3 +201,20 @@ def test_live_samples_a_little_over_a_second_apart_still_span_the_ten_minute_win
         "message": "usage below 40% for 10 min (mean 20%) with 12 requests waiting at the max_num_seqs cap: "
                    "raise --max-num-seqs from 256 to ~1024"}]
 
+
+async def test_a_worker_restart_keeps_the_preemption_count_the_advice_reads(stories260k):
+    engine = await Engine.start(EngineConfig(model=str(stories260k), device="cpu", num_gpu_blocks=16, block_size=8,
+                                             max_num_seqs=16, preemption_mode="recompute",
+                                             enable_prefix_caching=False, swap_space=0.001, worker_timeout=60))
+    try:
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        for stream in [engine.add_request(GOLDEN_PROMPT_IDS, params) for _ in range(6)]:
+            async for _ in stream:
+                pass
+        before = engine.advice_sample().num_preemptions
+        assert before > 0
+        engine._requeue_all_for_recompute("test")  # what a worker restart does to the scheduler
+        # was 0: the next 10 minutes of advice read a negative preemption count
+        assert engine.advice_sample().num_preemptions == before
+    finally:
+        await engine.shutdown()

@@ -10,7 +10,7 @@ sampled every ``interval_s`` seconds (uniform samples, so their means are time a
   cache (``--kv-cache-dtype fp8`` stores one byte per element: kv dtype bytes x the blocks); or
   shorten the context limit to the next power of two above the longest request seen, when that is
   below ``--max-model-len``. Each suggestion is given only when it changes something.
-- ``underused``: over a window of at least ``low_usage_min_s`` seconds, mean usage below
+- ``underused`` (only without ``preemption_pressure``): over a window of at least ``low_usage_min_s`` seconds, mean usage below
   ``low_usage``, at least ``min_waiting`` requests waiting on average, and the running batch at
   the ``max_num_seqs`` cap in at least ``at_cap_fraction`` of the samples: the cap, not memory,
   limits throughput. Raise ``--max-num-seqs`` to ``ceil(max_num_seqs x target_usage / usage)``,
@@ -150,7 +150,8 @@ def advise(samples: list[Sample], finished: list[tuple[float, int]], settings: S
             "rule": "preemption_pressure", "flags": flags,
             "message": f"{rate:.0f} preemptions/min ({settings.preemption_mode}) at {usage:.0%} usage: {action}"})
 
-    if (elapsed >= t.low_usage_min_s and usage < t.low_usage and waiting >= t.min_waiting
+    # not while preempting under pressure: a larger batch would preempt more (the advice would contradict itself)
+    if (not out["advice"] and elapsed >= t.low_usage_min_s and usage < t.low_usage and waiting >= t.min_waiting
             and at_cap >= t.at_cap_fraction):
         raised = math.ceil(settings.max_num_seqs * t.target_usage / max(usage, 1e-3))
         if fits is not None:

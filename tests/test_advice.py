@@ -107,6 +107,16 @@ def test_low_usage_rule_needs_all_its_conditions(seconds, usage, running, waitin
     assert rules(advise(history(seconds, usage=usage, running=running, waiting=waiting), [], LLAMA_8B)) == []
 
 
+
+def test_no_raise_of_max_num_seqs_while_preemption_pressure_is_advised():
+    # low mean usage at the cap with requests waiting, but 12 preemptions/min: raising the cap to
+    # 1024 next to the preemption advice contradicted it
+    settings = Settings(**{**LLAMA_8B.__dict__, "num_gpu_blocks": 100_000})
+    out = advise(history(660, usage=0.2, running=256, waiting=12, preemptions_per_min=12),
+                 finished(40, 500, at=1500.0), settings)
+    assert rules(out) == ["preemption_pressure"]
+    assert out["advice"][0]["flags"] == {"--kv-cache-dtype": "fp8", "--max-model-len": 512}
+
 def test_full_host_pool_while_swapping_says_raise_swap_space():
     swap = Settings(**{**LLAMA_8B.__dict__, "preemption_mode": "swap"})
     hist = history(120, usage=0.97, running=60, waiting=4, preemptions_per_min=3, swapped=12, cpu_usage=0.95)

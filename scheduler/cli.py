@@ -459,6 +459,9 @@ def _cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 
 # ---- generate -------------------------------------------------------------------------------
 
+_GENERATE_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop", "n")  # generate's flags
+
+
 async def _generate(args: argparse.Namespace, config: EngineConfig, prompts: list[str]) -> int:
     import asyncio
 
@@ -475,7 +478,10 @@ async def _generate(args: argparse.Namespace, config: EngineConfig, prompts: lis
             params.validate(max_logprobs=config.max_logprobs, max_n=config.max_n, max_stop=config.max_stop)
             streams = [engine.add_request(engine.tokenizer.encode(p), params) for p in prompts]
         except ValueError as e:
-            print(f"pagedkv generate: error: {e}", file=sys.stderr)
+            # a field of SamplingParams is named as the flag that set it (max_tokens: -> --max-tokens:)
+            field, sep, why = str(e).partition(": ")
+            flag = f"--{field.replace('_', '-')}" if sep and field in _GENERATE_FIELDS else field
+            print(f"pagedkv generate: error: {flag}{sep}{why}", file=sys.stderr)
             return 2
 
         async def collect(stream) -> dict[int, dict]:
@@ -514,7 +520,7 @@ def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     prompts = list(args.prompts)
     if args.prompts_file:
         try:
-            with open(args.prompts_file, encoding="utf-8") as f:
+            with open(args.prompts_file, encoding="utf-8-sig") as f:  # -sig: a BOM is not part of the first prompt
                 prompts += [line.rstrip("\r\n") for line in f if line.strip()]
         except OSError as e:
             parser.error(f"--prompts-file: {e}")

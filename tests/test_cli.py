@@ -118,7 +118,7 @@ def test_generate_prints_the_golden_text(stories260k):
 
 def test_generate_reads_a_prompts_file_and_writes_jsonl(stories260k, tmp_path):
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text(f"{GOLDEN_PROMPT}\n\nOnce upon a\n")
+    prompts.write_text(f"\ufeff{GOLDEN_PROMPT}\n\nOnce upon a\n")  # a BOM (Windows editors) is not the prompt's
     out = subprocess.run([*PAGEDKV, "generate", "--model", str(stories260k), *SMALL_POOL, "--max-tokens", "4",
                           "--prompts-file", str(prompts), "--output-format", "jsonl"],
                          capture_output=True, text=True, timeout=300, cwd=REPO)
@@ -135,7 +135,7 @@ def test_generate_rejects_an_invalid_request_with_status_2(stories260k):
     out = subprocess.run([*PAGEDKV, "generate", "--model", str(stories260k), *SMALL_POOL, "--max-tokens", "600",
                           GOLDEN_PROMPT], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode == 2
-    assert "pagedkv generate: error: max_tokens: prompt (5 tokens) + max_tokens (600) exceeds max_model_len (512)" \
+    assert "pagedkv generate: error: --max-tokens: prompt (5 tokens) + max_tokens (600) exceeds max_model_len (512)" \
         in out.stderr
 
 

@@ -115,24 +115,33 @@ def sample_snapshot(snap: dict, t: float, max_model_len: int) -> KVSample:
 
 
 def summarize_kv(samples: list[KVSample]) -> dict:
-    """Totals over samples (slot-samples, so busier instants weigh more) and the derived fractions.
+    """Time-weighted totals over samples and the derived fractions.
 
+    Each sample holds until the next one (as for `running_stats`): the fractions are of slot-seconds,
+    so a long step weighs more than a short one. Weighting by step instead made the two
+    allocators' figures depend on their step lengths (paged steps, with bigger batches, are longer).
+    slot_totals: the plain per-sample integer sums (the identities hold on them exactly).
     utilization = token_state / allocated; each waste is also given as a fraction of allocated
     (reservation, internal) or of the pool (external, free), with token state / pool.
     """
     keys = ("pool", "allocated", "token_state", "reservation", "internal", "external", "free")
     tot = {k: sum(getattr(s, k) for s in samples) for k in keys}
+    # the last sample holds for no time; with no time span (one sample) every sample weighs alike
+    w = [b.t - a.t for a, b in zip(samples, samples[1:])] + [0.0]
+    if sum(w) <= 0:
+        w = [1.0] * len(samples)
+    wt = {k: sum(x * getattr(s, k) for x, s in zip(w, samples)) for k in keys}
     busy = [s for s in samples if s.allocated]
-    a, p = tot["allocated"] or 1, tot["pool"] or 1
+    a, p = wt["allocated"] or 1, wt["pool"] or 1
     return {
         "num_samples": len(samples),
         "slot_totals": tot,
-        "utilization": tot["token_state"] / a,
-        "reservation_frac": tot["reservation"] / a,
-        "internal_frac": tot["internal"] / a,
-        "external_frac_of_pool": tot["external"] / p,
-        "token_state_frac_of_pool": tot["token_state"] / p,
-        "allocated_frac_of_pool": tot["allocated"] / p,
+        "utilization": wt["token_state"] / a,
+        "reservation_frac": wt["reservation"] / a,
+        "internal_frac": wt["internal"] / a,
+        "external_frac_of_pool": wt["external"] / p,
+        "token_state_frac_of_pool": wt["token_state"] / p,
+        "allocated_frac_of_pool": wt["allocated"] / p,
         "mean_step_utilization": sum(s.token_state / s.allocated for s in busy) / len(busy) if busy else None,
     }
 

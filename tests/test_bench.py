@@ -60,10 +60,23 @@ def test_external_fragmentation_is_free_runs_too_short_for_the_waiting_head():
 
 def test_summary_fractions_come_from_slot_totals():
     a = account_kv(0.0, 4, 10, 6, [([0, 1, 2, 3], 6, 9)], lambda: [], 0, 1, 0)
-    b = account_kv(1.0, 4, 10, 8, [([0, 1], 8, 8)], lambda: [], 0, 1, 0)
-    kv = summarize_kv([a, b])
+    b = account_kv(0.0, 4, 10, 8, [([0, 1], 8, 8)], lambda: [], 0, 1, 0)
+    kv = summarize_kv([a, b])  # no time between them: they weigh alike
     assert kv["slot_totals"]["allocated"] == 24 and kv["slot_totals"]["token_state"] == 14
     assert kv["utilization"] == 14 / 24
+
+
+def test_kv_fractions_are_weighted_by_time_not_by_step():
+    # 16 slots allocated, 4 of token state for 3 s; then 16 of 16 for 1 s (the last sample ends the run).
+    # By step the utilization read (4 + 16) / 32 = 62.5%; over time the memory held token state
+    # (4 * 3 + 16 * 1) / (16 * 4) = 43.75% of the allocated slot-seconds
+    a = account_kv(0.0, 4, 10, 6, [([0, 1, 2, 3], 4, 16)], lambda: [], 0, 1, 0)
+    b = account_kv(3.0, 4, 10, 6, [([0, 1, 2, 3], 16, 16)], lambda: [], 0, 1, 0)
+    c = account_kv(4.0, 4, 10, 10, [], lambda: [], 0, 0, 0)
+    kv = summarize_kv([a, b, c])
+    assert kv["utilization"] == 28 / 64 and kv["reservation_frac"] == 36 / 64
+    assert kv["allocated_frac_of_pool"] == 64 / 160
+    assert kv["slot_totals"]["token_state"] == 20  # the integer per-sample sums stay
 
 
 def test_trace_loading_scaling_and_clipping(tmp_path):

@@ -293,3 +293,17 @@ def test_a_top_p_cut_near_the_last_candidate_decides_by_the_mass_before_the_firs
         whole = truncated_weights(logits, b)
         assert torch.equal(whole.gather(1, ids), weights) and int((weights > 0).sum()) == int((whole > 0).sum())
         assert abs(int((weights > 0).sum()) - cut) <= 1
+
+
+def test_top_logprobs_list_equal_values_by_token_id_so_the_greedy_token_ranks_first():
+    # three tokens tie for the maximum (bf16 logits tie often); argmax takes the lowest id, 7, and
+    # CPU topk listed it third ([100, 300, 7]), so the greedy token was reported with rank 3
+    from pagedkv.worker.sampler import prompt_logprobs
+
+    logits = torch.zeros(2, 512)
+    logits[:, [7, 300, 100]] = 5.0
+    out = Sampler(0, torch.device("cpu")).sample(logits, SamplingBatch.greedy([3, 2]))
+    assert out.token_ids == [7, 7]
+    assert [[t for t, _ in top] for top in out.top_logprobs] == [[7, 100, 300], [7, 100]]
+    _, ranks, tops = prompt_logprobs(logits, torch.tensor([7, 300]), 3)
+    assert ranks == [1, 1] and [[t for t, _ in top] for top in tops] == [[7, 100, 300]] * 2

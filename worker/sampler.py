@@ -234,7 +234,7 @@ class Sampler:
         lp = torch.log_softmax(raw[idx].float(), dim=-1)
         chosen = lp.gather(1, tokens[idx, None]).squeeze(1).tolist()
         k = max(num_logprobs[i] for i in rows)
-        top_vals, top_ids = lp.topk(min(k, lp.shape[1]), dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+        top_vals, top_ids = _top_by_id(lp, k)
         top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
         for j, i in enumerate(rows):
             logprobs[i] = chosen[j]
@@ -280,6 +280,15 @@ def bias_and_bans(rows: list[int], params: list[SamplingParams], output_index: l
     return bias, ((longs(x_rows), longs(x_ids)) if x_rows else None)
 
 
+def _top_by_id(lp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top ``k`` of ``lp`` ``[rows, vocab]``, equal values by token id: topk leaves ties in any
+    order (CPU torch gave [100, 300, 7] for three equal logits), so a greedy token (argmax: the
+    lowest id of a tie) was listed, and ranked, after tokens equal to it."""
+    if not k:
+        return lp[:, :0], lp[:, :0].long()
+    return _ties_by_id(*lp.topk(min(k, lp.shape[1]), dim=-1))
+
+
 def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int):
     """Log-probabilities of ``targets`` under ``logits``: the prompt-logprobs math (raw logits, as
     the sampler's logprobs).
@@ -291,7 +300,7 @@ def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int):
     lp = torch.log_softmax(logits.float(), dim=-1)
     chosen = lp.gather(1, targets[:, None])
     ranks = (lp > chosen).sum(dim=-1) + 1
-    top_vals, top_ids = lp.topk(min(k, lp.shape[1]), dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    top_vals, top_ids = _top_by_id(lp, k)
     tops = [list(zip(ids, vals)) for ids, vals in zip(top_ids.tolist(), top_vals.tolist())]
     return chosen.squeeze(1).tolist(), ranks.tolist(), tops
 

@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import re
+import socket
 
 import aiohttp
 import openai
@@ -598,6 +599,40 @@ async def test_a_client_gone_before_the_stream_starts_is_aborted_without_a_serve
     assert snap["num_free_blocks"] == NUM_GPU_BLOCKS
     assert _aborted(await (await http.get("/metrics")).text()) == _aborted(metrics_before) + 3
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+async def test_a_client_that_stops_reading_holds_only_its_output_not_its_blocks_or_the_engine(http, base_url):
+    # no backpressure reaches the engine (as in vLLM): the request runs to the end at full speed and
+    # frees its blocks; its unread deltas (at most n x max_tokens) wait until the client reads or leaves
+    loop = asyncio.get_running_loop()
+    host, port = base_url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small TCP window, soon full
+    sock.setblocking(False)
+    await loop.sock_connect(sock, (host, int(port)))
+    body = json.dumps({**GREEDY_60, "n": 4, "max_tokens": 200, "logprobs": 5, "ignore_eos": True,
+                       "stream": True}).encode()
+    await loop.sock_sendall(sock, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    snap = await wait_all_blocks_free(http)  # while nothing was read
+    assert snap["num_free_blocks"] == NUM_GPU_BLOCKS
+    resp = await http.post("/v1/completions", json=GREEDY_60)  # others are served meanwhile
+    assert (await resp.json())["choices"][0]["text"] == GOLDEN_COMPLETION
+    # then the whole stream, nothing dropped (the chunked body ends with a zero-size chunk)
+    raw = b""
+    while not raw.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"):
+        chunk = await asyncio.wait_for(loop.sock_recv(sock, 2**16), 30)
+        assert chunk, raw[-200:]
+        raw += chunk
+    sock.close()
+    assert len(raw) > 300_000  # 0.35 MB: on loopback the server's kernel send buffer (~4 MB) holds it all
+    events = [json.loads(e) for e in re.findall(rb"data: (\{.*?\})\r?\n\r?\n", raw)]
+    tokens = [0] * 4
+    for e in events:
+        for c in e["choices"]:
+            tokens[c["index"]] += len(c["logprobs"]["tokens"])
+    assert tokens == [200] * 4
+    assert [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]] == ["length"] * 4
 
 
 def _aborted(metrics_text: str) -> float:

@@ -282,10 +282,10 @@ class Engine:
         if params.top_k > vocab:
             raise ValueError(f"top_k: must be -1 or 0 (disabled) or at most the vocabulary size {vocab}, "
                              f"got {params.top_k}")
+        if n > self.max_model_len:  # before the id scan: a 4M-id body is refused without reading every id
+            raise ValueError(f"prompt: {n} tokens is longer than max_model_len ({self.max_model_len})")
         if bad := next((t for t in prompt_token_ids if not 0 <= t < vocab), None):
             raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {vocab})")
-        if n > self.max_model_len:
-            raise ValueError(f"prompt: {n} tokens is longer than max_model_len ({self.max_model_len})")
         if n + params.max_tokens > self.max_model_len:
             raise ValueError(f"max_tokens: prompt ({n} tokens) + max_tokens ({params.max_tokens}) "
                              f"exceeds max_model_len ({self.max_model_len})")

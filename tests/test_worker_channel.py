@@ -191,3 +191,38 @@ async def test_a_rank_that_disconnects_while_its_group_forms_fails_the_start_at_
         client.failed = client.failed or "test over"
         await client.close()
         ctx.term()
+
+
+def test_a_worker_the_control_plane_never_answers_says_why_and_logs_its_shutdown(monkeypatch, caplog):
+    """A worker with another secret than its control plane's used to wait silently forever: the control
+    plane drops its frames and cannot seal a word back. Now it says what to check; and a worker told
+    to shut down (another worker took its rank) says so before it exits."""
+    import threading
+
+    from pagedkv.worker import worker as worker_mod
+    monkeypatch.setattr(worker_mod, "UNANSWERED_SECONDS", 0.3)
+    monkeypatch.setattr(worker_mod, "POLL_MS", 50)
+    secret = b"the-workers-secret-0123456789"
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    router.bind(address)
+    caplog.set_level("INFO", logger="pagedkv.worker")
+    thread = threading.Thread(target=worker_mod.run, args=(address, secret))
+    thread.start()
+    try:
+        identity, frame = router.recv_multipart()  # its Register, which a control plane of another secret drops
+        assert router.poll(2000) == 0  # nothing more: the worker waits
+        warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert warnings == [f"the control plane at {address} has not answered this worker's Register in 0 s: does "
+                            "it have the same worker secret (PAGEDKV_WORKER_SECRET, --secret-file)? (it also waits "
+                            "for every rank of a group, and takes one worker per rank)"]
+        router.send_multipart([identity, Channel(secret).seal_to_worker(Shutdown())])
+        thread.join(5)
+        assert not thread.is_alive()
+        assert caplog.records[-1].getMessage() == (f"the control plane at {address} told this worker to shut "
+                                                   "down; exiting")
+    finally:
+        router.close(0)
+        ctx.term()

@@ -26,9 +26,9 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from pagedkv.common.config import EngineConfig, ModelConfig
-from pagedkv.common.protocol import (PROTOCOL_VERSION, Channel, InitCache, LoadModel, Register, SampledToken,
-                                     Shutdown, StepPlan, StepResult, Unauthenticated, WorkerError, WorkerHello,
-                                     WorkerReady)
+from pagedkv.common.protocol import (PROTOCOL_VERSION, SECRET_ENV, Channel, InitCache, LoadModel, Register,
+                                     SampledToken, Shutdown, StepPlan, StepResult, Unauthenticated, WorkerError,
+                                     WorkerHello, WorkerReady)
 from pagedkv.kernels import cpu_kernels
 from pagedkv.worker.cache_engine import measure_swap_bandwidth
 from pagedkv.worker.host_memory import (MMAP_THRESHOLD_MAX, huge_pages_off, release_freed_host_memory,
@@ -39,6 +39,9 @@ from pagedkv.worker.parallel import destroy_group, init_group
 
 log = logging.getLogger("pagedkv.worker")
 POLL_MS = 1000  # how often to check that the control plane is still there
+UNANSWERED_SECONDS = 30.0  # connected this long with no word from the control plane: say why that may be
+
+
 def select_device(config: EngineConfig, rank: int) -> torch.device:
     """``auto``: CUDA (GPU ``rank``) when available, else CPU. Raises ValueError for cuda without a GPU."""
     kind = config.device
@@ -222,14 +225,26 @@ def run(address: str, secret: bytes, rank: int = 0, world_size: int = 1, init_me
     runner: ModelRunner | None = None
     linger_ms = 0
     release_when_idle = False  # a CPU worker that has stepped since it last gave freed memory back
+    connected_at: float | None = None  # while no message from the control plane has been verified yet
     try:
         sock.send(channel.seal_from_worker(Register(protocol_version=PROTOCOL_VERSION, pid=os.getpid(), rank=rank,
                                   world_size=world_size)))
         while True:
             events = dict(poller.poll(POLL_MS))
-            if monitor in events and recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED:
-                log.warning("control plane at %s disconnected; exiting", address)
-                return
+            if monitor in events:
+                event = recv_monitor_message(monitor)["event"]
+                if event == zmq.EVENT_DISCONNECTED:
+                    log.warning("control plane at %s disconnected; exiting", address)
+                    return
+                if event == zmq.EVENT_CONNECTED and runner is None:
+                    connected_at = time.monotonic()
+            # the control plane drops frames it cannot verify without a word back (it cannot seal one
+            # to a peer without the secret): without this line such a worker waited silently forever
+            if connected_at is not None and time.monotonic() - connected_at >= UNANSWERED_SECONDS:
+                log.warning("the control plane at %s has not answered this worker's Register in %.0f s: does it "
+                            "have the same worker secret (%s, --secret-file)? (it also waits for every rank of "
+                            "a group, and takes one worker per rank)", address, UNANSWERED_SECONDS, SECRET_ENV)
+                connected_at = None
             if not _parent_alive(parent_pid):
                 log.warning("parent process %s is gone; exiting", parent_pid)
                 return
@@ -244,6 +259,7 @@ def run(address: str, secret: bytes, rank: int = 0, world_size: int = 1, init_me
             except (Unauthenticated, msgspec.DecodeError, msgspec.ValidationError) as e:
                 log.warning("dropped a message from %s: %s", address, e)
                 continue
+            connected_at = None
             if isinstance(msg, StepPlan):
                 try:
                     if runner is None:
@@ -282,7 +298,8 @@ def run(address: str, secret: bytes, rank: int = 0, world_size: int = 1, init_me
                     sock.send(channel.seal_from_worker(WorkerError(message=_one_line(e))))
                     linger_ms = 2000  # let the error reach the control plane before the socket closes
                     sys.exit(1)
-            elif isinstance(msg, Shutdown):
+            elif isinstance(msg, Shutdown):  # its stop, or another worker took this one's rank
+                log.info("the control plane at %s told this worker to shut down; exiting", address)
                 destroy_group()
                 return
     finally:

@@ -333,7 +333,7 @@ async def _decode_body(request: web.Request, cls: type[msgspec.Struct]):
 
 # ---- shared request handling ----------------------------------------------------------------
 
-def _sampling_params(req: _SamplingFields, engine, *, max_tokens: int, logprobs: int | None,
+def _sampling_params(req: _SamplingFields, engine, *, max_tokens: int | None, logprobs: int | None,
                      prompt_logprobs: int | None = None) -> SamplingParams:
     """Build and validate SamplingParams; raises APIError naming the first invalid field."""
     def pick(value, default):
@@ -833,9 +833,8 @@ class _API:
         prompt = await _render_chat(engine, req.messages, req.add_generation_prompt)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
+        # None: OpenAI's up to the context limit, which Engine.add_request resolves (also within the pool)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        if max_tokens is None:  # OpenAI: up to the context limit; here also up to what the pool can hold
-            max_tokens = engine.max_tokens_room(len(prompt), req.n)
         try:
             params = _sampling_params(req, engine, max_tokens=max_tokens,
                                       logprobs=(req.top_logprobs or 0) if req.logprobs else None)

@@ -229,7 +229,7 @@ class Engine:
         prompt_only: the caller drops the sampled tokens (echo with ``max_tokens`` 0 scores the prompt:
         one token is generated, as vLLM does); the request log and span count no completion tokens.
 
-        ``params.max_tokens`` None: up to max_model_len, as far as the pool can hold (`max_tokens_room`).
+        ``params.max_tokens`` None: up to max_model_len, as far as the pool can hold (`_max_tokens_room`).
         n > 1 samples n sequences that share the prompt's blocks; ``use_beam_search`` returns the
         n best beams, all at the end. Raises ValueError("<field>: <why>") when the request can
         never be served, RuntimeError when the engine has failed. Closing the iterator before
@@ -238,7 +238,7 @@ class Engine:
         if not self.accepting:
             raise RuntimeError(f"engine is not serving: {self.health()[1]}")
         if params.max_tokens is None and isinstance(params.n, int):  # vLLM: up to max_model_len
-            params = msgspec.structs.replace(params, max_tokens=self.max_tokens_room(len(prompt_token_ids), params.n))
+            params = msgspec.structs.replace(params, max_tokens=self._max_tokens_room(len(prompt_token_ids), params.n))
         self._validate(prompt_token_ids, params, cache_salt)
         if not -_INT64 <= priority < _INT64:
             raise ValueError(f"priority: must fit in int64, got {priority}")
@@ -262,7 +262,7 @@ class Engine:
         self._wake.set()
         return self._iterate(stream)
 
-    def max_tokens_room(self, prompt_len: int, n: int = 1) -> int:
+    def _max_tokens_room(self, prompt_len: int, n: int = 1) -> int:
         """The most output tokens a prompt of prompt_len tokens may ask for (at least 1): up to
         max_model_len, and for n sequences (or beams) at once within the pool, as `_validate` counts
         them: they share the prompt's full blocks before their fork point, each holds prompt +

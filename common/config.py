@@ -307,7 +307,8 @@ class EngineConfig(msgspec.Struct):
 
     def __post_init__(self) -> None:
         # vLLM's --dtype aliases: LLM(dtype="half") (common in ported code) was refused by validate()
-        self.dtype = {"half": "float16", "float": "float32"}.get(self.dtype, self.dtype) if isinstance(self.dtype, str) else self.dtype
+        if isinstance(self.dtype, str):
+            self.dtype = {"half": "float16", "float": "float32"}.get(self.dtype, self.dtype)
 
     def validate(self) -> None:
         """Check every field's type and range as the ``pagedkv serve`` flags do, before a worker starts.
@@ -316,11 +317,7 @@ class EngineConfig(msgspec.Struct):
         for one out of range or not among the choices (the `LLM` constructor's engine arguments
         come here unchecked by argparse).
         """
-        try:
-            msgspec.convert(msgspec.structs.asdict(self), type(self))
-        except msgspec.ValidationError as e:
-            where = str(e).rpartition("`$.")[2].split("`")[0].split("[")[0]
-            raise TypeError(f"{where}: {str(e).split(' - at ')[0]}") from None
+        check_field_types(self, TypeError)
 
         def check(field: str, ok: bool, want: str) -> None:
             if not ok:
@@ -348,6 +345,16 @@ class EngineConfig(msgspec.Struct):
                                ("preemption_mode", ("recompute", "swap", "auto")),
                                ("scheduling_policy", ("fcfs", "priority")), ("kv_cache_dtype", KV_CACHE_DTYPES)):
             check(field, getattr(self, field) in choices, f"one of {', '.join(map(str, choices))}")
+
+
+def check_field_types(struct: msgspec.Struct, error: type[Exception]) -> None:
+    """Raise ``error("<field>: <why>")`` for the first field of ``struct`` whose value is not of its
+    declared type (a Struct's constructor checks none; msgspec does, as it decodes the wire)."""
+    try:
+        msgspec.convert(msgspec.structs.asdict(struct), type(struct))
+    except msgspec.ValidationError as e:
+        where = str(e).rpartition("`$.")[2].split("`")[0].split("[")[0]
+        raise error(f"{where}: {str(e).split(' - at ')[0]}") from None
 
 
 def read_json(path: str):

@@ -11,6 +11,8 @@ import math
 
 import msgspec
 
+from pagedkv.common.config import check_field_types
+
 # Temperatures below this are greedy: dividing logits by 1e-45 overflows to inf and the softmax to
 # NaN. vLLM draws the same line (its _SAMPLING_EPS).
 MIN_TEMPERATURE = 1e-5
@@ -77,11 +79,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
 
         max_stop: most stop strings accepted (None: no limit).
         """
-        try:  # the constructor does not check types; one the worker cannot decode hangs its step
-            msgspec.convert(msgspec.structs.asdict(self), type(self))
-        except msgspec.ValidationError as e:
-            where = str(e).rpartition("`$.")[2].split("`")[0].split("[")[0]
-            raise ValueError(f"{where}: {str(e).split(' - at ')[0]}") from None
+        check_field_types(self, ValueError)  # a type the worker cannot decode would hang its step
 
         def bad(field: str, why: str) -> None:
             raise ValueError(f"{field}: {why}")

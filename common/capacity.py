@@ -123,7 +123,7 @@ def format_report(c: Capacity) -> str:
     ])
 
 
-def _positive(kind, name: str, allow_zero: bool = False, hi: float | None = None):
+def _positive(kind, name: str, allow_zero: bool = False, hi: float | None = None, power_of_two: bool = False):
     def parse(s: str):
         try:
             v = kind(s)
@@ -134,7 +134,7 @@ def _positive(kind, name: str, allow_zero: bool = False, hi: float | None = None
             raise argparse.ArgumentTypeError(f"{name} must be {bound}, got {s}")
         if v == float("inf"):  # --gpu-memory-gib inf was an OverflowError traceback
             raise argparse.ArgumentTypeError(f"{name} must be finite, got {s}")
-        if name == "--block-size" and (v > 256 or v & (v - 1)):  # as `pagedkv serve --block-size`
+        if power_of_two and (v > 256 or v & (v - 1)):  # as `pagedkv serve --block-size`
             raise argparse.ArgumentTypeError(f"{name} must be a power of two, 1..256, got {s}")
         return v
     return parse
@@ -156,7 +156,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--activation-reserve-gib", type=_positive(float, "--activation-reserve-gib", True),
                         default=DEFAULT_ACTIVATION_RESERVE_GIB, metavar="GIB",
                         help="memory kept for activations, CUDA context and graphs (default 4)")
-    parser.add_argument("--block-size", type=_positive(int, "--block-size"), default=16, help="tokens per block")
+    parser.add_argument("--block-size", type=_positive(int, "--block-size", power_of_two=True), default=16, help="tokens per block")
     parser.add_argument("--context-len", type=_positive(int, "--context-len"), default=None, metavar="TOKENS",
                         help="tokens per request for the concurrency figure; default: max_position_embeddings")
     parser.add_argument("--tensor-parallel-size", "-tp", type=_positive(int, "--tensor-parallel-size"), default=1,

@@ -103,8 +103,8 @@ def advise(samples: list[Sample], finished: list[tuple[float, int]], settings: S
     # interval_s apart, never exactly window_s before the last, so without it the span always fell
     # short of window_s (underused, which needs low_usage_min_s = window_s, never fired) and the
     # preemptions of the first interval went uncounted
-    if before := [s for s in samples if s.time < start]:
-        window.insert(0, before[-1])
+    if (i := len(samples) - len(window)) > 0:  # the window is a suffix of the time-ordered samples
+        window.insert(0, samples[i - 1])
     lengths = [n for when, n in finished if when >= start]
     first, last = window[0], window[-1]
     elapsed = last.time - first.time

@@ -8,6 +8,7 @@ request produces the same tokens alone, batched or after a preemption.
 from __future__ import annotations
 
 import math
+from array import array
 
 import msgspec
 
@@ -16,12 +17,13 @@ from pagedkv.common.config import check_field_types
 # Temperatures below this are greedy: dividing logits by 1e-45 overflows to inf and the softmax to
 # NaN. vLLM draws the same line (its _SAMPLING_EPS).
 MIN_TEMPERATURE = 1e-5
+_MIN_TEMPERATURE_F32 = array("f", [MIN_TEMPERATURE])[0]
 
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     """How to pick each next token and when to stop.
 
-    temperature: below MIN_TEMPERATURE (1e-5), 0 included, means greedy. top_p in (0, 1]; top_k -1 or 0 disables; min_p in [0, 1].
+    temperature: below MIN_TEMPERATURE (1e-5, compared in float32), 0 included, means greedy. top_p in (0, 1]; top_k -1 or 0 disables; min_p in [0, 1].
     repetition_penalty > 0 (1 = off, applies to prompt and output tokens, as in HF/vLLM);
     presence_penalty and frequency_penalty in [-2, 2] (output tokens only, as OpenAI).
     max_tokens: output tokens at most; None: up to max_model_len (as vLLM; the engine resolves it
@@ -72,7 +74,9 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < MIN_TEMPERATURE
+        # in float32, as the worker's knob tensors compare it: a temperature that rounds to
+        # float32(1e-5) draws there, so it is no greedy row anywhere (its noise must exist)
+        return array("f", [self.temperature])[0] < _MIN_TEMPERATURE_F32
 
     def validate(self, max_logprobs: int = 20, max_n: int = 1, max_stop: int | None = None) -> None:
         """Raise ValueError("<field>: <why>") for the first invalid field (a wrong type included).

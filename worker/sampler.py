@@ -131,9 +131,6 @@ class SamplingBatch:
             return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)
 
         rows = len(params)
-        # greedy as the float32 knob tensor says (`sample_tensor`, `InputBatch`): a temperature in
-        # [float32(1e-5), 1e-5) is greedy to SamplingParams.greedy but draws here, and its noise must exist
-        greedy = [np.float32(p.temperature) < MIN_TEMPERATURE for p in params]
         penalties = any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params)
         prompt_mask = output_counts = None
         if penalties:
@@ -150,11 +147,11 @@ class SamplingBatch:
                    torch.tensor([p.seed is not None for p in params], device=device),
                    torch.tensor([len(o) for o in output_ids], dtype=torch.int64, device=device),
                    prompt_mask, output_counts, [p.logprobs for p in params],
-                   all(greedy), any(not g and p.seed is not None for g, p in zip(greedy, params)),
-                   any(not g and p.seed is None for g, p in zip(greedy, params)),
+                   all(p.greedy for p in params), any(not p.greedy and p.seed is not None for p in params),
+                   any(not p.greedy and p.seed is None for p in params),
                    any(p.top_k > 0 or p.top_p < 1 for p in params), any(p.min_p > 0 for p in params),
-                   all_truncated(np.array(greedy), *(np.array([getattr(p, knob) for p in params])
-                                                     for knob in ("top_k", "top_p", "min_p"))),
+                   all_truncated(*(np.array([getattr(p, knob) for p in params])
+                                   for knob in ("greedy", "top_k", "top_p", "min_p"))),
                    *bias_and_bans(list(range(rows)), params, [len(o) for o in output_ids], list(eos_token_ids), device))
 
 

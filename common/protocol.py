@@ -230,6 +230,24 @@ class Unauthenticated(ValueError):
     """A frame that does not carry a valid MAC under this channel's secret; it was not decoded."""
 
 
+class UndecodablePlan(ValueError):
+    """An authenticated StepPlan with a field of the wrong type (msgspec checks types when it
+    decodes, not when it encodes). The worker answers its ``step_id`` with a failed StepResult, so
+    the control plane fails the step's cause as for a step whose forward raised; dropped
+    unanswered, the same plan came back after every restart until the engine was out of them."""
+
+    def __init__(self, step_id: int, error: str):
+        super().__init__(f"could not decode step plan {step_id}: {error}")
+        self.step_id = step_id
+
+
+class _PlanStepId(msgspec.Struct, tag="plan"):
+    step_id: int
+
+
+_plan_step_id = msgspec.msgpack.Decoder(_PlanStepId)
+
+
 def load_secret(path: str | None = None) -> bytes | None:
     """The worker-channel secret: the file at ``path`` (stripped), else ``$PAGEDKV_WORKER_SECRET``, else None.
 
@@ -279,8 +297,17 @@ class Channel:
         return self._mac(_FROM_WORKER, payload) + payload
 
     def open_to_worker(self, frame: bytes) -> ToWorker:
-        """Verify, then decode a control-plane message. Raises Unauthenticated, msgspec errors."""
-        return decode_to_worker(self._open(_TO_WORKER, frame))
+        """Verify, then decode a control-plane message. Raises Unauthenticated, UndecodablePlan
+        (a StepPlan whose step_id could be read), msgspec errors."""
+        payload = self._open(_TO_WORKER, frame)
+        try:
+            return decode_to_worker(payload)
+        except msgspec.ValidationError as e:
+            try:
+                step_id = _plan_step_id.decode(payload).step_id
+            except msgspec.ValidationError:
+                raise e from None
+            raise UndecodablePlan(step_id, str(e)) from e
 
     def open_from_worker(self, frame: bytes) -> FromWorker:
         """Verify, then decode a worker message. Raises Unauthenticated, msgspec errors."""

@@ -112,6 +112,23 @@ def test_a_failed_step_reports_an_error_and_the_worker_keeps_serving(stub, stori
     assert stub.proc.wait(timeout=30) == 0
 
 
+def test_a_plan_that_does_not_decode_is_answered_with_an_error_and_the_worker_keeps_serving(stub, stories260k):
+    """Authenticated, but a field has the wrong type: the step fails (so the control plane can fail
+    its cause) instead of being dropped unanswered until the step's deadline restarts the worker."""
+    start(stub, EngineConfig(model=str(stories260k), device="cpu"))
+    greedy = SamplingParams(temperature=0.0)
+    stub.send(StepPlan(step_id=6, new_requests=[NewRequestData("r", ["one", "two"], 2, [0], 0, 2, greedy)]))
+    result = stub.recv()
+    assert isinstance(result, StepResult) and result.step_id == 6 and result.sampled == []
+    assert result.error.startswith("could not decode step plan 6: Expected `int`, got `str`"), result.error
+    stub.sock.send_multipart([stub.identity, stub.channel.seal_to_worker(Shutdown())[:32] + b"\xc1"])
+    stub.send(StepPlan(step_id=7, new_requests=[NewRequestData("r", GOLDEN_PROMPT_IDS, 5, [0], 0, 5, greedy)]))
+    result = stub.recv()  # the junk frame above (bad MAC) was dropped unanswered, as before
+    assert result.step_id == 7 and result.error is None and result.sampled[0].token_id == 432
+    stub.send(Shutdown())
+    assert stub.proc.wait(timeout=30) == 0
+
+
 def test_a_failed_load_sends_worker_error_and_exits_nonzero(stub, tmp_path):
     assert isinstance(stub.recv(), Register)
     stub.send(LoadModel(config=EngineConfig(model=str(tmp_path / "nowhere"), device="cpu")))

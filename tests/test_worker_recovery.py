@@ -203,6 +203,26 @@ async def test_a_step_that_fails_on_one_request_fails_only_that_request(start, m
     assert engine.health() == (True, "ok")
 
 
+async def test_a_plan_the_worker_cannot_decode_fails_only_its_request(start, monkeypatch):
+    """A field of the wrong type encodes (msgspec checks types on decode only) but the worker cannot
+    decode the plan. It used to drop the plan unanswered: the engine timed out, restarted the
+    worker, resent the same request, and so on until it was out of restarts and failed everyone."""
+    engine = await start(device="cpu", num_gpu_blocks=64, max_worker_restarts=3, worker_timeout=600)
+    monkeypatch.setattr(engine, "_validate", lambda prompt, params, cache_salt: None)
+    greedy = SamplingParams(temperature=0, max_tokens=60)
+    poison = SamplingParams(temperature=0.5, seed="7", max_tokens=8)  # seed: int | None
+    good = [engine.add_request(GOLDEN_PROMPT_IDS, greedy) for _ in range(3)]
+    bad = engine.add_request(GOLDEN_PROMPT_IDS, poison)
+    results = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in good), collect(bad)), 120)
+    for tokens, _, last in results[:3]:
+        assert tokens == GOLDEN_OUTPUT_IDS and last.finish_reason == "length"
+    tokens, _, last = results[3]
+    assert tokens == [] and last.finish_reason == "error"
+    assert "could not decode step plan" in last.error and "seed" in last.error, last.error
+    assert_all_blocks_free(engine)
+    assert engine.health() == (True, "ok")
+
+
 async def test_out_of_restarts_the_engine_fails_every_request_and_says_so(start):
     from opentelemetry.trace import StatusCode
 

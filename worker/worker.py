@@ -27,8 +27,8 @@ from zmq.utils.monitor import recv_monitor_message
 
 from pagedkv.common.config import EngineConfig, ModelConfig
 from pagedkv.common.protocol import (PROTOCOL_VERSION, SECRET_ENV, Channel, InitCache, LoadModel, Register,
-                                     SampledToken, Shutdown, StepPlan, StepResult, Unauthenticated, WorkerError,
-                                     WorkerHello, WorkerReady)
+                                     SampledToken, Shutdown, StepPlan, StepResult, Unauthenticated, UndecodablePlan,
+                                     WorkerError, WorkerHello, WorkerReady)
 from pagedkv.kernels import cpu_kernels
 from pagedkv.worker.cache_engine import measure_swap_bandwidth
 from pagedkv.worker.host_memory import (MMAP_THRESHOLD_MAX, huge_pages_off, release_freed_host_memory,
@@ -206,7 +206,8 @@ def run(address: str, secret: bytes, rank: int = 0, world_size: int = 1, init_me
     rank, world_size: this process's place in a tensor-parallel group; init_method: the group's
     rendezvous (``tcp://HOST:PORT`` where rank 0 listens). secret: the worker-channel secret shared
     with the control plane (`common.protocol.Channel`); frames that do not carry its MAC are dropped
-    and logged, never decoded. Exits the process with status 1 after a
+    and logged, never decoded; a StepPlan that carries it but does not decode is answered with a
+    failed StepResult (`UndecodablePlan`). Exits the process with status 1 after a
     failed LoadModel/InitCache (a WorkerError is sent first) or, in a group, a failed step (its
     StepResult error is sent first); returns when told to shut down or when the control plane is gone.
     """
@@ -256,6 +257,10 @@ def run(address: str, secret: bytes, rank: int = 0, world_size: int = 1, init_me
             frame = sock.recv()
             try:
                 msg = channel.open_to_worker(frame)
+            except UndecodablePlan as e:  # nothing ran, so even a group's ranks stay in step
+                sock.send(channel.seal_from_worker(StepResult(step_id=e.step_id, error=str(e))))
+                log.error("%s", e)
+                continue
             except (Unauthenticated, msgspec.DecodeError, msgspec.ValidationError) as e:
                 log.warning("dropped a message from %s: %s", address, e)
                 continue

@@ -17,6 +17,7 @@ client sent one. Preemption spans carry ``pagedkv.preempt.*`` attributes (see `R
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any
 from urllib.parse import urlsplit
@@ -24,6 +25,9 @@ from urllib.parse import urlsplit
 EXPORTERS = ("otlp", "console", "none")
 # vLLM's name for the same quantity, kept beside the semconv one so its dashboards port unchanged
 TTFT_VLLM_ATTRIBUTE = "gen_ai.latency.time_to_first_token"
+# How long shutdown waits for the last batched spans: the OTLP exporter's default timeout for one export
+# (OTEL_EXPORTER_OTLP_TIMEOUT). A collector that is down or unreachable costs at most this much.
+FLUSH_TIMEOUT_S = 10.0
 
 
 def _traces_url(endpoint: str) -> str:
@@ -186,6 +190,14 @@ class RequestTracer:
             span.set_status(Status(StatusCode.ERROR, error))
         span.end(end_time=_ns(end))
 
-    def shutdown(self) -> None:
-        """Flush and stop the exporters (batched spans are sent now)."""
-        self.provider.shutdown()
+    def shutdown(self, timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
+        """Flush and stop the exporters (batched spans are sent now), waiting at most timeout_s seconds.
+
+        Blocks the calling thread: on an event loop, call it through asyncio.to_thread. Returns False
+        when the flush did not end in time (the SDK retries an unreachable collector with backoff): it
+        goes on in a daemon thread, which does not hold the process's exit, and its spans may be lost.
+        """
+        thread = threading.Thread(target=self.provider.shutdown, name="otel-shutdown", daemon=True)
+        thread.start()
+        thread.join(timeout_s)
+        return not thread.is_alive()

@@ -29,7 +29,7 @@ from pagedkv.common.config import EngineConfig, ModelConfig, resolve_max_model_l
 from pagedkv.common.log import get_logger
 from pagedkv.common.protocol import StepResult, encode
 from pagedkv.common.sampling_params import SamplingParams
-from pagedkv.common.tracing import RequestTracer, make_tracer
+from pagedkv.common.tracing import FLUSH_TIMEOUT_S, RequestTracer, make_tracer
 from pagedkv.scheduler.advice import Advisor, Sample, Settings
 from pagedkv.scheduler.kv_cache_manager import KVCacheManager
 from pagedkv.scheduler.metrics import Metrics
@@ -793,5 +793,6 @@ class Engine:
             except asyncio.CancelledError:
                 pass
         await self.client.close()
-        if self.tracer is not None:
-            self.tracer.shutdown()  # flush batched spans
+        # flush batched spans off the event loop: an unreachable collector holds the flush for seconds
+        if self.tracer is not None and not await asyncio.to_thread(self.tracer.shutdown):
+            log.warning("traces not flushed: the collector did not answer", timeout_s=FLUSH_TIMEOUT_S)

@@ -7,15 +7,19 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from pagedkv.common.config import EngineConfig
 from pagedkv.common.sampling_params import SamplingParams
-from pagedkv.common.tracing import _traces_url, make_tracer
+from pagedkv.common.tracing import RequestTracer, _traces_url, make_tracer
 from conftest import GOLDEN_OUTPUT_IDS, GOLDEN_PROMPT, GOLDEN_PROMPT_IDS
 from pagedkv.scheduler.api import build_app
 from pagedkv.scheduler.engine import Engine
@@ -249,3 +253,48 @@ async def test_every_preempted_log_line_names_its_request_id(stories260k):
             assert e["request_ids"] == [f"{e['request_id']}-0", f"{e['request_id']}-1"]
     finally:
         await engine.shutdown()
+
+
+class _HeldExporter(SpanExporter):
+    """Exports only once released, as a slow or unreachable collector holds an export."""
+
+    def __init__(self):
+        self.exporting, self.release, self.spans = threading.Event(), threading.Event(), []
+
+    def export(self, spans):
+        self.exporting.set()
+        self.release.wait(10)  # a guard: a flush on the event loop would otherwise hold the test for ever
+        self.spans += spans
+        return SpanExportResult.SUCCESS
+
+
+def _held_tracer():
+    exporter = _HeldExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=600_000))  # only shutdown exports
+    return RequestTracer(provider), exporter
+
+
+async def test_shutdown_flushes_the_spans_off_the_event_loop_and_loses_none(stories260k):
+    """An unreachable collector holds the last flush for seconds (a closed port: 7 s of retries); the
+    event loop runs on meanwhile, and the spans reach a collector that answers."""
+    tracer, exporter = _held_tracer()
+    engine = await Engine.start(EngineConfig(model=str(stories260k)), tracer=tracer)
+    greedy = SamplingParams(temperature=0, max_tokens=len(GOLDEN_OUTPUT_IDS))
+    assert [t async for o in engine.add_request(GOLDEN_PROMPT_IDS, greedy, "req-0") for t in o.token_ids] \
+        == GOLDEN_OUTPUT_IDS
+    shutdown = asyncio.ensure_future(engine.shutdown())
+    assert await asyncio.to_thread(exporter.exporting.wait, 10)
+    assert not shutdown.done()  # this coroutine runs while the flush waits on the collector
+    exporter.release.set()
+    await shutdown
+    assert [(s.name, s.attributes["gen_ai.response.id"]) for s in exporter.spans] == [("llm_request", "req-0")]
+
+
+def test_shutdown_gives_up_on_a_collector_that_does_not_answer():
+    tracer, exporter = _held_tracer()
+    tracer.end_request(tracer.start_request("r", "m", 5, arrival_time=time.monotonic()), [], 1, "stop",
+                       time.monotonic(), None)
+    assert tracer.shutdown(timeout_s=0.2) is False  # the export is held until released: never in time
+    assert exporter.exporting.is_set() and exporter.spans == []
+    exporter.release.set()

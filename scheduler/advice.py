@@ -56,7 +56,8 @@ class Thresholds:
 @dataclass(frozen=True)
 class Sample:
     """The engine's state at one moment. time: monotonic seconds; usage: fraction of device blocks
-    referenced; num_preemptions: preemptions since the engine started (a counter)."""
+    referenced; num_preemptions: preemptions the scheduler made since the engine started (a counter;
+    KV pressure only, not the sequences a worker restart preempts)."""
 
     time: float
     usage: float

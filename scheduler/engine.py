@@ -578,8 +578,12 @@ class Engine:
     def _requeue_all_for_recompute(self, cause: str = "", failed_at: float | None = None) -> int:
         """A fresh KV allocator and scheduler; every live sequence back in the waiting queue with nothing computed.
 
-        Each such sequence counts a preemption: traced as a recompute ``kv.preempt`` span (reason
-        ``worker_restart: <cause>``) from ``failed_at`` (time.monotonic() s) to its resumption.
+        Each sequence that held KV (running, or swapped: the host pool goes with the worker) loses it
+        and counts a recompute preemption, as vLLM counts the running requests a KV cache reset
+        preempts: in its own num_preemptions, in ``pagedkv:num_preemptions_total`` and as a recompute
+        ``kv.preempt`` span (reason ``worker_restart: <cause>``) from ``failed_at`` (time.monotonic()
+        s) to its resumption. A sequence still waiting has nothing to lose: requeued, not counted. The
+        scheduler's own count (the advice's preemption rate, a sign of KV pressure) leaves them out.
 
         Each sibling group comes back as a preempted one does (`Scheduler._requeue`): its first
         member leads, recomputes the shared prompt and the others fork from it, so the group needs
@@ -590,25 +594,29 @@ class Engine:
         old = self.scheduler
         live = sorted((r for r in old.requests.values() if not r.status.finished), key=lambda r: r.arrival_time)
         live_ids = {id(r) for r in live}
+        preempted = [r for r in live if r.status is not RequestStatus.WAITING]
+        preempted_ids = {id(r) for r in preempted}
         # one record per group, costed on the tables the dead worker held, before they are reset
         records = []
         if self.tracer is not None:
             at = time.monotonic() if failed_at is None else failed_at
-            for group in {id(r.group): [m for m in r.group if id(m) in live_ids] for r in live}.values():
+            for group in {id(r.group): [m for m in r.group if id(m) in preempted_ids] for r in preempted}.values():
                 num_blocks, num_tokens, swap_s, recompute_s = old.policy.costs(group)
                 records.append(Preemption([m.request_id for m in group], "recompute", f"worker_restart: {cause}",
                                           num_blocks, num_tokens, num_blocks * self.kv_bytes_per_block, swap_s,
                                           recompute_s, time=at))
         self.kv = self._new_kv()
         self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens, old.policy)
-        # a counter since the engine started, like pagedkv:num_preemptions_total: the advice reads
-        # its deltas, and a reset to 0 gave a negative preemption count for the next 10 minutes
+        # a counter since the engine started: the advice reads its deltas, and a reset to 0 gave a
+        # negative preemption count for the next 10 minutes
         self.scheduler.num_preemptions = old.num_preemptions
         self.output.scheduler = self.scheduler
         for req in live:
             req.status, req.num_computed_tokens, req.block_table, req.num_named_blocks = RequestStatus.WAITING, 0, [], 0
             req.in_worker, req.unsent_token_ids, req.pending_forks = False, [], []
+        for req in preempted:
             req.num_preemptions += 1
+            self.metrics.on_preemption("recompute")
         quarantined = set(map(id, self._quarantine))
         seen: set[int] = set()
         for req in live:

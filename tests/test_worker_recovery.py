@@ -23,6 +23,8 @@ from pagedkv.scheduler.worker_client import WorkerFailed
 
 RESTARTS = "pagedkv:worker_restarts_total"
 RESTART_FAILURES = "pagedkv:worker_restart_failures_total"
+PREEMPTIONS = "pagedkv:num_preemptions_total"
+REQUEST_PREEMPTIONS = "pagedkv:request_num_preemptions"
 
 
 def _sixteen() -> list[tuple[list[int], SamplingParams]]:
@@ -456,3 +458,26 @@ async def test_a_worker_restart_is_a_kv_preempt_span_of_every_request_it_requeue
         # from the failure (the same monotonic instant, converted to epoch ns apart) to past the recovery
         assert abs(span.start_time - recovery.start_time) < 1e6 and span.end_time >= recovery.end_time - 1e6
         assert [e.name for e in span.events] == ["kv.resume"]
+    # the counter counts them as the requests' own counts (the request log's num_preemptions) do
+    assert metric(engine, PREEMPTIONS, mode="recompute") == metric(engine, f"{REQUEST_PREEMPTIONS}_sum") == 3
+    assert metric(engine, PREEMPTIONS, mode="swap") == 0
+
+
+async def test_a_worker_restart_preempts_only_the_sequences_that_held_kv(start):
+    """A request still queued (never admitted: max_num_seqs 1) loses nothing when the worker dies: as
+    in vLLM, where only a running request is preempted, it is requeued but not counted, nor traced."""
+    engine = await start(device="cpu", num_gpu_blocks=32, max_worker_restarts=2, max_num_seqs=1)
+    exporter = _traced(engine)
+    seen: list[int] = []
+    greedy = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    run = asyncio.gather(*(_stream(engine, GOLDEN_PROMPT_IDS, greedy, seen) for _ in range(2)))
+    await _until(lambda: sum(seen) >= 10)
+    assert [r.status.value for r in engine.scheduler.requests.values()] == ["running", "waiting"]
+    running = next(iter(engine.scheduler.requests))
+    os.kill(engine.client.process.pid, signal.SIGKILL)
+    assert [len(tokens) for tokens, _, _ in await run] == [60, 60]
+    preempts = [s.attributes["pagedkv.request.id"] for s in exporter.get_finished_spans() if s.name == "kv.preempt"]
+    assert preempts == [running]
+    assert _recovery_span(exporter).attributes["pagedkv.recovery.num_requeued"] == 2
+    assert metric(engine, PREEMPTIONS, mode="recompute") == metric(engine, f"{REQUEST_PREEMPTIONS}_sum") == 1
+    assert metric(engine, f"{REQUEST_PREEMPTIONS}_count") == 2

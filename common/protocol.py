@@ -219,6 +219,11 @@ def decode_from_worker(data: bytes) -> FromWorker:
     return _from_worker.decode(data)
 
 
+# ZMTP heartbeats (ms) on a link between hosts: a PING every 1 s; a peer that sends nothing for 5 s
+# after one is gone (a host that lost power or a partition sends no FIN) and its connection is closed.
+# The control plane sets them for external workers, a worker for a tcp:// control plane.
+HEARTBEAT_MS = (1000, 5000)
+
 # ---- the authenticated channel ----------------------------------------------------------------
 
 SECRET_ENV = "PAGEDKV_WORKER_SECRET"  # the shared secret, for workers and control planes started apart

@@ -19,7 +19,7 @@ supervisor restarted it, so the old one is gone; the client fails (`WorkerFailed
 An external worker that dies (kill -9, a crash) is noticed within `_POLL_SECONDS`, idle or not: a
 socket monitor reports the end of its connection, the one its authenticated Register came on
 (matched by file descriptor, so another peer's disconnect counts for nothing), and ZMTP heartbeats
-close the connection of a host that vanished without one (`_HEARTBEAT_MS`).
+close the connection of a host that vanished without one (`protocol.HEARTBEAT_MS`).
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ from pagedkv.common.log import current_format, get_logger
 log = get_logger("pagedkv.worker_client")
 
 _POLL_SECONDS = 0.5  # how often a waiting call checks that a spawned worker is still alive
-_HEARTBEAT_MS = (1000, 5000)  # ZMTP PING every 1 s; no traffic for 5 s closes the connection (a vanished host)
 _START_SECONDS = 600.0  # loading a large checkpoint and profiling may take minutes; steps may not
 
 
@@ -144,8 +143,8 @@ class WorkerClient:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._monitor = None  # external ranks: their connections' ends (spawned ones are watched by pid)
         if not spawn:
-            self._sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS[0])
-            self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_MS[1])
+            self._sock.setsockopt(zmq.HEARTBEAT_IVL, protocol.HEARTBEAT_MS[0])
+            self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, protocol.HEARTBEAT_MS[1])
             self._monitor_owner = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             self._monitor = zmq.Socket.shadow(self._monitor_owner.underlying)  # read without awaiting
         self._sock.bind(self.address)

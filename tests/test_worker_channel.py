@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import select
 import socket
+import threading
 
 import pytest
 import zmq
@@ -225,4 +227,100 @@ def test_a_worker_the_control_plane_never_answers_says_why_and_logs_its_shutdown
                                                    "down; exiting")
     finally:
         router.close(0)
+        ctx.term()
+
+
+class _SilentRelay:
+    """A TCP relay between a worker and its control plane that can fall silent without closing, as the
+    link to a host that lost power or was cut off by a partition does: no FIN, no RST, nothing."""
+
+    def __init__(self, upstream_port: int):
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.upstream_port = upstream_port
+        self.silent = threading.Event()
+        self.sockets = [self.listener]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                down, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            up = socket.create_connection(("127.0.0.1", self.upstream_port))
+            self.sockets += [down, up]
+            for src, dst in ((down, up), (up, down)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        while not self.silent.is_set():
+            if select.select([src], [], [], 0.05)[0] and not self.silent.is_set():
+                try:
+                    data = src.recv(65536)
+                    dst.sendall(data)
+                except OSError:
+                    return
+                if not data:
+                    return
+
+    def close(self) -> None:
+        self.silent.set()
+        for s in self.sockets:
+            s.close()
+
+
+def test_an_idle_worker_whose_control_plane_falls_silent_over_tcp_exits(caplog):
+    """A control plane whose host vanishes sends no FIN: an idle external worker used to wait for ever,
+    holding its device memory. Its ZMTP heartbeats (`protocol.HEARTBEAT_MS`: a PING every 1 s, 5 s
+    without an answer) now close the silent connection, and the worker exits as on a disconnect."""
+    from pagedkv.worker import worker as worker_mod
+
+    secret = b"the-shared-secret-0123456789"
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = _free_port()
+    router.bind(f"tcp://127.0.0.1:{port}")
+    relay = _SilentRelay(port)
+    address = f"tcp://127.0.0.1:{relay.port}"
+    caplog.set_level("INFO", logger="pagedkv.worker")
+    thread = threading.Thread(target=worker_mod.run, args=(address, secret), daemon=True)
+    thread.start()
+    try:
+        assert router.poll(30_000)
+        assert isinstance(Channel(secret).open_from_worker(router.recv_multipart()[1]), Register)
+        relay.silent.set()
+        thread.join(30)  # a bound far above the heartbeat's 5 s; without heartbeats it waited for ever
+        assert not thread.is_alive()
+        assert caplog.records[-1].getMessage() == f"control plane at {address} disconnected; exiting"
+    finally:
+        relay.close()  # a worker still waiting sees the connection end now
+        thread.join(30)
+        router.close(0)
+        ctx.term()
+
+
+async def test_a_worker_whose_host_falls_silent_fails_the_client_over_tcp():
+    """The other way round: the control plane's heartbeats close the connection of an external worker
+    whose host went silent (no FIN), and the client fails as on a disconnect."""
+    from pagedkv.scheduler.worker_client import WorkerClient
+
+    secret, port = b"k" * 64, _free_port()
+    client = WorkerClient(EngineConfig(), f"tcp://127.0.0.1:{port}", spawn=False, secret=secret)
+    relay = _SilentRelay(port)
+    ctx = zmq.asyncio.Context()
+    try:
+        worker = _FakeRank(ctx, f"tcp://127.0.0.1:{relay.port}", secret, pid=4343)
+        await worker.register()
+        identity, msg = await client._recv_any(asyncio.get_running_loop().time() + 30, 30, "rank 0")
+        assert isinstance(msg, Register) and msg.pid == 4343
+        client._identities = [identity]  # as `start` leaves it, without a model to load
+        relay.silent.set()
+        assert await _wait_failed(client) == "external worker (pid 4343) disconnected"
+    finally:
+        relay.close()
+        worker.sock.close(0)
+        client.failed = client.failed or "test over"
+        await client.close()
         ctx.term()

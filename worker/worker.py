@@ -2,7 +2,8 @@
 
 Message sequence (see `common.protocol`): Register -> LoadModel -> WorkerHello -> InitCache ->
 WorkerReady -> StepPlan/StepResult ... -> Shutdown. The worker decides nothing; it exits when told,
-when the control plane's socket disconnects, or when the process named by ``PAGEDKV_PARENT_PID`` dies.
+when the control plane's socket disconnects (over tcp://, also when it is silent for 5 s after a
+heartbeat: its host vanished), or when the process named by ``PAGEDKV_PARENT_PID`` dies.
 
 Under tensor parallelism each rank is one such process: all ranks connect to the same control
 plane, receive the same plans and join one torch.distributed group at LoadModel (`worker.parallel`).
@@ -26,9 +27,9 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from pagedkv.common.config import EngineConfig, ModelConfig
-from pagedkv.common.protocol import (PROTOCOL_VERSION, SECRET_ENV, Channel, InitCache, LoadModel, Register,
-                                     SampledToken, Shutdown, StepPlan, StepResult, Unauthenticated, UndecodablePlan,
-                                     WorkerError, WorkerHello, WorkerReady)
+from pagedkv.common.protocol import (HEARTBEAT_MS, PROTOCOL_VERSION, SECRET_ENV, Channel, InitCache, LoadModel,
+                                     Register, SampledToken, Shutdown, StepPlan, StepResult, Unauthenticated,
+                                     UndecodablePlan, WorkerError, WorkerHello, WorkerReady)
 from pagedkv.kernels import cpu_kernels
 from pagedkv.worker.cache_engine import measure_swap_bandwidth
 from pagedkv.worker.host_memory import (MMAP_THRESHOLD_MAX, huge_pages_off, release_freed_host_memory,
@@ -218,6 +219,9 @@ def run(address: str, secret: bytes, rank: int = 0, world_size: int = 1, init_me
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if address.startswith("tcp://"):  # a control plane on a host that vanishes sends no FIN: close the silence
+        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS[0])
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_MS[1])
     monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
     sock.connect(address)
     poller = zmq.Poller()

@@ -20,6 +20,8 @@ import threading
 import weakref
 from dataclasses import dataclass, field
 
+import msgspec
+
 from pagedkv.common.config import EngineConfig
 from pagedkv.common.sampling_params import SamplingParams
 
@@ -121,7 +123,8 @@ class LLM:
 
         prompts: a string, a list of strings, or vLLM's prompt dicts ``{"prompt": str}`` and
         ``{"prompt_token_ids": [...]}`` (one or a list, mixed). SamplingParams ``max_tokens=None``:
-        up to max_model_len. sampling_params: one for all prompts or one per prompt (default:
+        up to max_model_len; a prompt + max_tokens past max_model_len stops there with finish_reason
+        "length" (as vLLM's offline LLM; the server refuses it). sampling_params: one for all prompts or one per prompt (default:
         ``SamplingParams()``, vLLM's defaults). Raises ValueError("<field>: <why>") for a request the
         engine cannot serve, before any prompt runs.
         """
@@ -170,6 +173,7 @@ class LLM:
         streams = []
         try:
             for (text, ids), p in zip(items, params):
+                p = self._capped(p, len(ids))
                 self._counter += 1
                 rid = str(self._counter)
                 streams.append((rid, text, ids, p, self.engine.add_request(ids, p, rid)))
@@ -188,6 +192,15 @@ class LLM:
             return list(await asyncio.gather(*(one(*s) for s in streams)))
         finally:
             bar.close()
+
+    def _capped(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        """vLLM's offline LLM stops a prompt + max_tokens past max_model_len at max_model_len
+        (finish_reason "length") instead of refusing it; the server keeps refusing it (HTTP 400)."""
+        room = self.engine.max_model_len - prompt_len
+        if not isinstance(params.max_tokens, int) or not isinstance(params.min_tokens, int) or room < 1 \
+                or params.max_tokens <= room:  # the engine names a bad type; a prompt with no room stays an error
+            return params
+        return msgspec.structs.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
 
     def shutdown(self) -> None:
         """Stop the engine and its worker process (idempotent); also done when the LLM is garbage

@@ -75,13 +75,29 @@ def test_generate_takes_one_sampling_params_per_prompt_and_n(llm):
 def test_a_request_the_engine_cannot_serve_raises_before_anything_runs(llm):
     from pagedkv import SamplingParams
 
-    with pytest.raises(ValueError, match=r"max_tokens: prompt \(5 tokens\) \+ max_tokens \(600\) exceeds"):
-        llm.generate(["Once upon a", GOLDEN_PROMPT], [SamplingParams(), SamplingParams(max_tokens=600)],
-                     use_tqdm=False)
+    with pytest.raises(ValueError, match=re.escape("prompt: 513 tokens is longer than max_model_len (512)")):
+        llm.generate(["Once upon a", {"prompt_token_ids": [1] * 513}], use_tqdm=False)
     deadline = time.monotonic() + 10  # the abort of the first prompt applies at the engine's next turn
     while (snap := llm.engine.kv_cache_snapshot())["requests"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert snap["num_free_blocks"] == 64 and snap["requests"] == []
+
+
+def test_a_prompt_plus_max_tokens_past_max_model_len_stops_there_with_length_as_vllm_offline(llm):
+    # vLLM's offline LLM caps the output at max_model_len; pagedkv refused the whole batch
+    # ("max_tokens: prompt (5 tokens) + max_tokens (600) exceeds max_model_len (512)")
+    from pagedkv import SamplingParams
+
+    long, short = llm.generate([GOLDEN_PROMPT, "Once upon a"],
+                               [SamplingParams(temperature=0, max_tokens=600, min_tokens=550, ignore_eos=True),
+                                SamplingParams(temperature=0, max_tokens=3)], use_tqdm=False)
+    c = long.outputs[0]
+    assert (len(c.token_ids), c.finish_reason) == (512 - len(GOLDEN_PROMPT_IDS), "length")
+    assert c.token_ids[:60] == GOLDEN_OUTPUT_IDS
+    assert (short.outputs[0].text, short.outputs[0].finish_reason) == (" time, there", "length")
+    with pytest.raises(ValueError, match=re.escape("max_tokens: prompt (512 tokens) + max_tokens (1) exceeds")):
+        llm.generate({"prompt_token_ids": [1] * 512}, SamplingParams(max_tokens=1), use_tqdm=False)
+    assert llm.engine.kv_cache_snapshot()["num_free_blocks"] == 64
 
 
 def test_chat_renders_the_template_and_generates_like_the_rendered_prompt(llm):

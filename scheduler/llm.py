@@ -41,7 +41,8 @@ class CompletionOutput:
     """One completion of a prompt (vLLM's ``CompletionOutput``).
 
     logprobs: with ``SamplingParams(logprobs=k)``, one dict per output token mapping token id to
-    `Logprob`: the chosen token and the top k alternatives. finish_reason: "stop" | "length" |
+    `Logprob`: the chosen token and the top k alternatives. cumulative_logprob: the sum of the output
+    tokens' logprobs, with ``logprobs`` or beam search (a beam's), else None (as vLLM). finish_reason: "stop" | "length" |
     "abort" | "error". stop_reason: the stop string or stop token id that ended it, None for EOS
     or length.
     """
@@ -250,6 +251,7 @@ async def _collect(engine, rid: str, text: str | None, ids: list[int], params: S
     lps: list[list] = [[] for _ in range(n)]
     finish: list[str | None] = [None] * n
     stop: list = [None] * n
+    beam_cum: list[float | None] = [None] * n  # beam search: the engine's sum for each returned beam
     error, cached, prompt_lps = None, 0, None
     async for out in stream:
         if out.prompt_logprobs is not None:
@@ -260,6 +262,8 @@ async def _collect(engine, rid: str, text: str | None, ids: list[int], params: S
         if out.logprobs:
             lps[i].extend(out.logprobs)
         cached = max(cached, out.num_cached_tokens)
+        if out.cumulative_logprob is not None:
+            beam_cum[i] = out.cumulative_logprob
         if out.finish_reason is not None:
             finish[i] = out.finish_reason
             stop[i] = out.stop_reason
@@ -270,7 +274,7 @@ async def _collect(engine, rid: str, text: str | None, ids: list[int], params: S
         logprobs = None
         if params.logprobs is not None:
             logprobs = [_logprob_dict(tok, lp.token_id, lp.logprob, lp.top_logprobs) for lp in lps[i]]
-        cumulative = sum(lp.logprob for lp in lps[i]) if params.logprobs is not None else None
+        cumulative = sum(lp.logprob for lp in lps[i]) if params.logprobs is not None else beam_cum[i]
         outputs.append(CompletionOutput(i, "".join(texts[i]), tokens[i], cumulative, logprobs, finish[i], stop[i]))
     prompt_logprobs = None
     if params.prompt_logprobs is not None and prompt_lps is not None:

@@ -50,6 +50,7 @@ class RequestOutput(msgspec.Struct):
     stop_reason: with finish_reason "stop", the stop string or stop token id that matched (None for EOS).
     prompt_logprobs: on each choice's first delta when ``prompt_logprobs`` was asked: one entry per
     prompt token, None for the first.
+    cumulative_logprob: beam search, on each returned beam: the sum of its tokens' logprobs (natural log).
     """
 
     request_id: str
@@ -64,6 +65,7 @@ class RequestOutput(msgspec.Struct):
     num_cached_tokens: int
     stop_reason: str | int | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    cumulative_logprob: float | None = None
 
 
 class RequestStream:
@@ -268,7 +270,8 @@ class OutputProcessor:
             text = "".join(detok.append(t) for t in hyp.token_ids) + detok.flush()
             status = RequestStatus.FINISHED_STOPPED if hyp.ended_with_eos else RequestStatus.FINISHED_LENGTH
             self._send(stream, RequestOutput(stream.request_id, i, hyp.token_ids, text, None, status.finish_reason,
-                                             None, req.num_prompt_tokens, len(hyp.token_ids), req.num_cached_tokens))
+                                             None, req.num_prompt_tokens, len(hyp.token_ids), req.num_cached_tokens,
+                                             cumulative_logprob=hyp.cum_logprob))
             stream.finished.add(i)
         self.end(stream, RequestStatus.FINISHED_LENGTH)
         return RequestStatus.FINISHED_LENGTH

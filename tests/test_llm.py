@@ -213,3 +213,17 @@ def test_vllm_dtype_aliases_are_accepted():
 
     assert [EngineConfig(dtype=d).dtype for d in ("half", "float", "bfloat16", "auto")] == \
         ["float16", "float32", "bfloat16", "auto"]
+
+
+def test_beam_outputs_carry_their_cumulative_logprob(llm):
+    # a beam's cumulative logprob (what ranks it) was None: the engine summed it and dropped it
+    from pagedkv import SamplingParams
+
+    [out] = llm.generate(GOLDEN_PROMPT, SamplingParams(n=3, use_beam_search=True, max_tokens=8), use_tqdm=False)
+    cums = [c.cumulative_logprob for c in out.outputs]
+    assert all(c is not None for c in cums) and cums == sorted(cums, reverse=True)  # 8 tokens each: by sum
+    for c, cum in zip(out.outputs, cums):  # the sum of the beam's tokens' logprobs, as the model scores them
+        [scored] = llm.generate({"prompt_token_ids": GOLDEN_PROMPT_IDS + c.token_ids},
+                                SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        lps = [d[t].logprob for t, d in zip(c.token_ids, scored.prompt_logprobs[len(GOLDEN_PROMPT_IDS):])]
+        assert len(c.token_ids) == 8 and cum == pytest.approx(sum(lps), abs=1e-4)

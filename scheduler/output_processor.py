@@ -146,13 +146,15 @@ class OutputProcessor:
 
         ids = self.sequence_ids(request_id, params)
         if params.use_beam_search:
-            # as transformers: keep max(2, 1 + #eos) x width candidates, so width survive the EOS ones
-            keep = max(2, 1 + len(self.tokenizer.eos_token_ids)) * params.n
+            # as transformers: keep max(2, 1 + #eos) x width candidates, so width survive the EOS ones;
+            # ignore_eos: EOS is an ordinary token (as vLLM's beam search), no beam ends on it
+            eos = [] if params.ignore_eos else self.tokenizer.eos_token_ids
+            keep = max(2, 1 + len(eos)) * params.n
             beam_params = SamplingParams(temperature=0, max_tokens=params.max_tokens, logprobs=keep,
                                          use_beam_search=True, ignore_eos=True)
             leader = member(ids[0], beam_params, 0)
             stream.beam = BeamSearch(params.n, params.max_tokens, params.length_penalty, params.early_stopping,
-                                     self.tokenizer.eos_token_ids, len(prompt_token_ids), leader.request_id)
+                                     eos, len(prompt_token_ids), leader.request_id)
             members = [leader]
         else:
             members = [member(ids[i], msgspec.structs.replace(params, n=1, seed=child_seed(params.seed, i)), i)

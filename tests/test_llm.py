@@ -227,3 +227,36 @@ def test_beam_outputs_carry_their_cumulative_logprob(llm):
                                 SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
         lps = [d[t].logprob for t, d in zip(c.token_ids, scored.prompt_logprobs[len(GOLDEN_PROMPT_IDS):])]
         assert len(c.token_ids) == 8 and cum == pytest.approx(sum(lps), abs=1e-4)
+
+
+@pytest.fixture(scope="module")
+def llm_period_eos(stories260k, tmp_path_factory):
+    """stories260K whose generation_config.json adds "." (426) to the EOS ids: the model emits it
+    often, its own EOS (2) almost never."""
+    import json
+
+    from pagedkv import LLM
+
+    d = tmp_path_factory.mktemp("period_eos")
+    for f in stories260k.iterdir():
+        if f.name != "generation_config.json":
+            (d / f.name).symlink_to(f)
+    (d / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": [2, 426]}))
+    with LLM(model=str(d), device="cpu", num_gpu_blocks=64, swap_space=0.01) as llm:
+        yield llm
+
+
+def test_beam_search_with_ignore_eos_runs_past_eos(llm_period_eos):
+    # beam search ignored ignore_eos: a beam ending in EOS finished ("stop", 11 tokens) all the same
+    from pagedkv import SamplingParams
+
+    def beams(ignore_eos):
+        [out] = llm_period_eos.generate(GOLDEN_PROMPT, SamplingParams(n=2, use_beam_search=True, max_tokens=12,
+                                                                      ignore_eos=ignore_eos), use_tqdm=False)
+        return [(c.token_ids, c.finish_reason) for c in out.outputs]
+
+    assert llm_period_eos.get_tokenizer().eos_token_ids == [2, 426]
+    assert beams(False)[0] == (GOLDEN_OUTPUT_IDS[:11], "stop")  # ", there was a little girl named Lily."
+    best, second = beams(True)
+    assert best == (GOLDEN_OUTPUT_IDS[:12], "length") and (len(second[0]), second[1]) == (12, "length")
+    assert 426 in second[0][:-1]  # EOS inside a beam that went on

@@ -17,9 +17,13 @@ _LAZY = {
     "RequestOutput": "pagedkv.scheduler.llm",
     "CompletionOutput": "pagedkv.scheduler.llm",
     "SamplingParams": "pagedkv.common.sampling_params",
+    "BeamSearchParams": "pagedkv.common.sampling_params",
+    "BeamSearchOutput": "pagedkv.scheduler.llm",
+    "BeamSearchSequence": "pagedkv.scheduler.llm",
 }
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "BeamSearchParams", "BeamSearchOutput",
+           "BeamSearchSequence", "__version__"]
 
 
 def __getattr__(name: str):

@@ -135,3 +135,34 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
             for f in ("prompt_logprobs", "logit_bias", "min_tokens"):
                 if getattr(self, f):
                     bad(f, "is not supported with beam search")
+
+
+class BeamSearchParams(msgspec.Struct, frozen=True):
+    """vLLM's offline beam search knobs, for `LLM.beam_search`; run as SamplingParams' beam search.
+
+    beam_width: beams kept and returned (at most the engine's max_n); max_tokens: output tokens at
+    most; ignore_eos: EOS is an ordinary token; temperature: 0 only (pagedkv's beams continue the
+    most likely candidates; vLLM's may also take one sampled at this temperature); length_penalty:
+    a beam scores cum_logprob / output tokens ** length_penalty (as transformers; vLLM's
+    ``LLM.beam_search`` counts the prompt's tokens too); include_stop_str_in_output: taken, without
+    effect (beam search takes no stop strings).
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def sampling_params(self, max_n: int) -> SamplingParams:
+        """The SamplingParams running this search. Raises ValueError("<field>: <why>") for a wrong
+        type, a beam_width outside [1, max_n] or a temperature other than 0."""
+        check_field_types(self, ValueError)
+        if not 1 <= self.beam_width <= max_n:
+            raise ValueError(f"beam_width: must be between 1 and max_n ({max_n}), got {self.beam_width}")
+        if self.temperature != 0:
+            raise ValueError(f"temperature: beam search here keeps the most likely candidates, so only 0 is "
+                             f"taken, got {self.temperature}")
+        return SamplingParams(n=self.beam_width, use_beam_search=True, temperature=0, max_tokens=self.max_tokens,
+                              ignore_eos=self.ignore_eos, length_penalty=self.length_penalty)

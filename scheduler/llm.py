@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from pagedkv.common.config import EngineConfig
-from pagedkv.common.sampling_params import SamplingParams
+from pagedkv.common.sampling_params import BeamSearchParams, SamplingParams
 
 
 @dataclass
@@ -77,6 +77,31 @@ class RequestOutput:
     error: str | None = field(default=None, repr=False)
 
 
+@dataclass
+class BeamSearchSequence:
+    """One beam `LLM.beam_search` returns (vLLM's ``BeamSearchSequence``).
+
+    tokens: the prompt's ids then the beam's output ids, and text their decoding with special
+    tokens kept (both as vLLM's); cum_logprob: the sum of the output tokens' logprobs (natural log);
+    finish_reason "stop" (ended in EOS) | "length". logprobs: None, pagedkv's beam search keeps no
+    per-step alternatives (vLLM lists the 2 x beam_width candidates of each step).
+    """
+
+    tokens: list[int]
+    logprobs: list[dict[int, Logprob]] | None
+    cum_logprob: float
+    text: str
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """The beams of one prompt, best first, at most beam_width (vLLM's ``BeamSearchOutput``)."""
+
+    sequences: list[BeamSearchSequence]
+
+
 class LLM:
     """An engine for offline generation: ``LLM(model=PATH, **engine_args)``.
 
@@ -125,10 +150,32 @@ class LLM:
         prompts: a string, a list of strings, or vLLM's prompt dicts ``{"prompt": str}`` and
         ``{"prompt_token_ids": [...]}`` (one or a list, mixed). SamplingParams ``max_tokens=None``:
         up to max_model_len; a prompt + max_tokens past max_model_len stops there with finish_reason
-        "length" (as vLLM's offline LLM; the server refuses it). sampling_params: one for all prompts or one per prompt (default:
-        ``SamplingParams()``, vLLM's defaults). Raises ValueError("<field>: <why>") for a request the
+        "length" (as vLLM's offline LLM; the server refuses it). sampling_params: one for all
+        prompts or one per prompt (default: ``SamplingParams()``, vLLM's defaults). Raises ValueError("<field>: <why>") for a request the
         engine cannot serve, before any prompt runs.
         """
+        return self._run(self._prompt_items(prompts), sampling_params, use_tqdm)
+
+    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's offline beam search: one `BeamSearchOutput` per prompt, in order.
+
+        prompts as `generate` takes them. Runs the engine's beam search (``SamplingParams(n=beam_width,
+        use_beam_search=True)``: forked block tables, one request per prompt), scored as `BeamSearchParams`
+        says. Raises ValueError("<field>: <why>") for params it cannot run, before any prompt runs.
+        """
+        outs = self._run(self._prompt_items(prompts), params.sampling_params(self.engine.config.max_n), use_tqdm)
+        decode = self.engine.tokenizer.decode
+        results = []
+        for out in outs:
+            beams = []
+            for c in out.outputs:
+                tokens = out.prompt_token_ids + c.token_ids
+                beams.append(BeamSearchSequence(tokens, None, c.cumulative_logprob,
+                                                decode(tokens, skip_special_tokens=False), c.finish_reason, c.stop_reason))
+            results.append(BeamSearchOutput(beams))
+        return results
+
+    def _prompt_items(self, prompts) -> list[tuple[str | None, list[int]]]:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         items = []
@@ -142,7 +189,7 @@ class LLM:
             else:
                 raise TypeError(f"prompts: expected a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}, "
                                 f"got {p!r:.80}")
-        return self._run(items, sampling_params, use_tqdm)
+        return items
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,

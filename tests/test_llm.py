@@ -260,3 +260,29 @@ def test_beam_search_with_ignore_eos_runs_past_eos(llm_period_eos):
     best, second = beams(True)
     assert best == (GOLDEN_OUTPUT_IDS[:12], "length") and (len(second[0]), second[1]) == (12, "length")
     assert 426 in second[0][:-1]  # EOS inside a beam that went on
+
+
+def test_beam_search_takes_vllm_beam_search_params_and_returns_its_output_shape(llm):
+    # vLLM's LLM.beam_search(prompts, BeamSearchParams(...)) was an AttributeError
+    from pagedkv import BeamSearchParams, SamplingParams
+
+    outs = llm.beam_search([GOLDEN_PROMPT, {"prompt_token_ids": GOLDEN_PROMPT_IDS}],
+                           BeamSearchParams(beam_width=3, max_tokens=8))
+    [same] = llm.generate(GOLDEN_PROMPT, SamplingParams(n=3, use_beam_search=True, max_tokens=8), use_tqdm=False)
+    for out in outs:
+        seqs = out.sequences
+        assert [s.tokens[:5] for s in seqs] == [GOLDEN_PROMPT_IDS] * 3  # the prompt's ids first, as vLLM's
+        assert [s.tokens[5:] for s in seqs] == [c.token_ids for c in same.outputs]
+        assert seqs[0].tokens[5:] == GOLDEN_OUTPUT_IDS[:8]
+        assert [s.text for s in seqs] == ["<s> Once upon a time, there was a little girl",
+                                          "<s> Once upon a time, there was a little boy",
+                                          "<s> Once upon a time, there was a boy named"]
+        assert [s.cum_logprob for s in seqs] == pytest.approx([c.cumulative_logprob for c in same.outputs], abs=1e-4)
+        assert [(s.finish_reason, s.logprobs) for s in seqs] == [("length", None)] * 3
+    [out] = llm.beam_search(GOLDEN_PROMPT, BeamSearchParams(beam_width=2, max_tokens=600))  # capped, as generate
+    assert [len(s.tokens) for s in out.sequences] == [512, 512]
+    with pytest.raises(ValueError, match=re.escape("beam_width: must be between 1 and max_n (16), got 17")):
+        llm.beam_search([GOLDEN_PROMPT], BeamSearchParams(beam_width=17, max_tokens=8))
+    with pytest.raises(ValueError, match=re.escape("temperature: beam search here keeps the most likely candidates")):
+        llm.beam_search([GOLDEN_PROMPT], BeamSearchParams(beam_width=2, max_tokens=8, temperature=0.7))
+    assert llm.engine.kv_cache_snapshot()["num_free_blocks"] == 64

@@ -307,3 +307,17 @@ def test_top_logprobs_list_equal_values_by_token_id_so_the_greedy_token_ranks_fi
     assert [[t for t, _ in top] for top in out.top_logprobs] == [[7, 100, 300], [7, 100]]
     _, ranks, tops = prompt_logprobs(logits, torch.tensor([7, 300]), 3)
     assert ranks == [1, 1] and [[t for t, _ in top] for top in tops] == [[7, 100, 300]] * 2
+
+
+def test_a_tie_cut_at_the_kth_logprob_lists_its_lowest_ids():
+    # ten tokens tie for the maximum; CPU topk(9) skipped id 255 and took 459, so the 9 listed were
+    # not the 9 first of the order they are ranked in (by value, equal values by token id)
+    from pagedkv.worker.sampler import prompt_logprobs
+
+    tied = torch.arange(10) * 51  # 0, 51, ..., 459
+    logits = torch.zeros(2, 512)
+    logits[:, tied] = 5.0
+    out = Sampler(0, torch.device("cpu")).sample(logits, SamplingBatch.greedy([9, 3]))
+    assert [[t for t, _ in top] for top in out.top_logprobs] == [tied[:9].tolist(), tied[:3].tolist()]
+    _, _, tops = prompt_logprobs(logits, torch.tensor([0, 459]), 9)
+    assert [[t for t, _ in top] for top in tops] == [tied[:9].tolist()] * 2

@@ -278,12 +278,21 @@ def bias_and_bans(rows: list[int], params: list[SamplingParams], output_index: l
 
 
 def _top_by_id(lp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The top ``k`` of ``lp`` ``[rows, vocab]``, equal values by token id: topk leaves ties in any
-    order (CPU torch gave [100, 300, 7] for three equal logits), so a greedy token (argmax: the
-    lowest id of a tie) was listed, and ranked, after tokens equal to it."""
+    """The top ``k`` of ``lp`` ``[rows, vocab]`` by value, equal values by token id, so a tie cut at
+    the k-th value lists its lowest ids. topk leaves both to
+    chance: CPU torch listed three equal logits [100, 300, 7] (a greedy token, the lowest id of a
+    tie, listed after tokens equal to it), and took higher ids than others of a tie at the k-th value."""
     if not k:
         return lp[:, :0], lp[:, :0].long()
-    return _ties_by_id(*lp.topk(min(k, lp.shape[1]), dim=-1))
+    k = min(k, lp.shape[1])
+    vals, ids = _ties_by_id(*lp.topk(k, dim=-1))
+    # positions from `above` on hold the k-th value: put there the lowest ids holding it, the
+    # n-th of them found by a binary search in the running count of the tie along the vocabulary
+    last = vals[:, -1:]
+    above = (lp > last).sum(dim=-1, keepdim=True)
+    nth = torch.arange(1, k + 1, device=lp.device)[None, :] - above
+    tied = torch.searchsorted((lp == last).cumsum(dim=-1, dtype=torch.int32), nth.clamp_min(1).int())
+    return vals, torch.where(nth >= 1, tied, ids)
 
 
 def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int):

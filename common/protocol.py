@@ -101,13 +101,15 @@ class StepPlan(msgspec.Struct, tag="plan"):
 class SampledToken(msgspec.Struct, array_like=True):
     """A token sampled for one request; logprob is its log-probability (natural log) when asked.
 
-    top_logprobs: the ``logprobs`` most likely (token_id, logprob) pairs, most likely first.
+    top_logprobs: the ``logprobs`` most likely (token_id, logprob) pairs, most likely first (equal
+    values by token id). rank: the token's 1-based rank in that order, with logprob.
     """
 
     request_id: str
     token_id: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    rank: int | None = None
 
 
 class PromptLogprobs(msgspec.Struct, array_like=True):

@@ -28,8 +28,9 @@ from pagedkv.common.sampling_params import BeamSearchParams, SamplingParams
 
 @dataclass
 class Logprob:
-    """One token's log-probability (natural log); ``rank`` is its 1-based rank among the model's
-    alternatives when it is among the top ones returned, else None; ``decoded_token`` its text."""
+    """One token's log-probability (natural log); ``rank`` its 1-based rank in the model's
+    distribution (as vLLM: 1 + the tokens more likely; of equally likely ones, those of lower id
+    rank first); ``decoded_token`` its text."""
 
     logprob: float
     rank: int | None
@@ -282,11 +283,12 @@ def _shutdown(loop: asyncio.AbstractEventLoop, thread: threading.Thread, engine_
     _stop_loop(loop, thread)
 
 
-def _logprob_dict(tokenizer, token_id: int, logprob: float, top: list[tuple[int, str, float]]) -> dict[int, Logprob]:
-    """vLLM's per-position dict: the top alternatives (ranked) and the token itself."""
-    d = {t: Logprob(lp, rank, s) for rank, (t, s, lp) in enumerate(top, start=1)}
-    if token_id not in d:
-        d = {token_id: Logprob(logprob, None, tokenizer.token_to_str(token_id)), **d}
+def _logprob_dict(tokenizer, lp) -> dict[int, Logprob]:
+    """vLLM's per-position dict of a `TokenLogprob`: the token itself, first when it is not among
+    the top alternatives, and those (ranked by their place)."""
+    d = {t: Logprob(v, rank, s) for rank, (t, s, v) in enumerate(lp.top_logprobs, start=1)}
+    if lp.token_id not in d:
+        d = {lp.token_id: Logprob(lp.logprob, lp.rank, tokenizer.token_to_str(lp.token_id)), **d}
     return d
 
 
@@ -320,7 +322,7 @@ async def _collect(engine, rid: str, text: str | None, ids: list[int], params: S
     for i in range(n):
         logprobs = None
         if params.logprobs is not None:
-            logprobs = [_logprob_dict(tok, lp.token_id, lp.logprob, lp.top_logprobs) for lp in lps[i]]
+            logprobs = [_logprob_dict(tok, lp) for lp in lps[i]]
         cumulative = sum(lp.logprob for lp in lps[i]) if params.logprobs is not None else beam_cum[i]
         outputs.append(CompletionOutput(i, "".join(texts[i]), tokens[i], cumulative, logprobs, finish[i], stop[i]))
     prompt_logprobs = None

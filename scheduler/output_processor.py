@@ -33,8 +33,8 @@ def child_seed(seed: int | None, index: int) -> int | None:
 
 
 class TokenLogprob(msgspec.Struct):
-    """A token's log-probability (natural log), the top alternatives (id, text, logprob), and for a
-    prompt token its 1-based rank in the model's distribution."""
+    """A token's log-probability (natural log), the top alternatives (id, text, logprob), and its
+    1-based rank in the model's distribution (equal values by token id, as the alternatives)."""
 
     token_id: int
     token: str
@@ -223,7 +223,7 @@ class OutputProcessor:
         if params.logprobs is not None and sampled.logprob is not None:
             tok = self.tokenizer.token_to_str
             logprobs = [TokenLogprob(token, tok(token), sampled.logprob,
-                                     [(t, tok(t), lp) for t, lp in sampled.top_logprobs or []])]
+                                     [(t, tok(t), lp) for t, lp in sampled.top_logprobs or []], sampled.rank)]
         self._send(stream, self._output(stream, req, req.index, [token], text, logprobs, status,
                                         stop_reason=stop_reason))
         if status is None:

@@ -286,3 +286,18 @@ def test_beam_search_takes_vllm_beam_search_params_and_returns_its_output_shape(
     with pytest.raises(ValueError, match=re.escape("temperature: beam search here keeps the most likely candidates")):
         llm.beam_search([GOLDEN_PROMPT], BeamSearchParams(beam_width=2, max_tokens=8, temperature=0.7))
     assert llm.engine.kv_cache_snapshot()["num_free_blocks"] == 64
+
+
+def test_a_sampled_token_outside_the_top_logprobs_gets_its_rank(llm):
+    # its Logprob.rank was None; vLLM ranks it in the whole distribution. The prompt pass over the
+    # same tokens (checked against transformers in test_worker_model) ranks them the same
+    from pagedkv import SamplingParams
+
+    [out] = llm.generate(GOLDEN_PROMPT, SamplingParams(temperature=2.0, seed=5, max_tokens=30, logprobs=1),
+                         use_tqdm=False)
+    c = out.outputs[0]
+    ranks = [lps[t].rank for t, lps in zip(c.token_ids, c.logprobs)]
+    [scored] = llm.generate({"prompt_token_ids": GOLDEN_PROMPT_IDS + c.token_ids},
+                            SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    assert ranks == [d[t].rank for t, d in zip(c.token_ids, scored.prompt_logprobs[len(GOLDEN_PROMPT_IDS):])]
+    assert sum(r > 1 for r in ranks) >= 10  # many lie outside the top 1

@@ -329,8 +329,8 @@ class ModelRunner:
         out = self.sampler.sample(logits[num_scored:], batch.sampling_batch(sample_rows))
         batch.record_sampled(sample_rows, np.asarray(out.token_ids, dtype=np.int64))
         ids = batch.request_ids
-        return [SampledToken(ids[r], t, lp, top) for r, t, lp, top in
-                zip(sample_rows.tolist(), out.token_ids, out.logprobs, out.top_logprobs)], prompt
+        return [SampledToken(ids[r], t, lp, top, rank) for r, t, lp, rank, top in
+                zip(sample_rows.tolist(), out.token_ids, out.logprobs, out.ranks, out.top_logprobs)], prompt
 
     def _prompt_logprobs(self, logits: torch.Tensor, spans: list[tuple[int, int, int]]) -> list[PromptLogprobs]:
         """One PromptLogprobs per (row, first token, count) span; ``logits`` ``[sum of counts, vocab]`` in span order."""

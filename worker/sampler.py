@@ -163,10 +163,12 @@ def all_truncated(greedy: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_
 
 @dataclass
 class SamplerOutput:
-    """Per row: the chosen token id, its raw logprob and the top alternatives (None when not asked)."""
+    """Per row: the chosen token id, its raw logprob, its 1-based rank (`ranks`) and the top
+    alternatives (the last three None when not asked)."""
 
     token_ids: list[int]
     logprobs: list[float | None]
+    ranks: list[int | None]
     top_logprobs: list[list[tuple[int, float]] | None]
 
 
@@ -223,21 +225,23 @@ class Sampler:
     def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, num_logprobs: list[int | None]):
         n = len(num_logprobs)
         logprobs: list[float | None] = [None] * n
+        ranks: list[int | None] = [None] * n
         tops: list[list[tuple[int, float]] | None] = [None] * n
         rows = [i for i, k in enumerate(num_logprobs) if k is not None]
         if not rows:
-            return logprobs, tops
+            return logprobs, ranks, tops
         idx = torch.tensor(rows, device=raw.device)
         lp = torch.log_softmax(raw[idx].float(), dim=-1)
         chosen = lp.gather(1, tokens[idx, None]).squeeze(1).tolist()
+        rank = _ranks(lp, tokens[idx]).tolist()
         k = max(num_logprobs[i] for i in rows)
         top_vals, top_ids = _top_by_id(lp, k)
         top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
         for j, i in enumerate(rows):
-            logprobs[i] = chosen[j]
+            logprobs[i], ranks[i] = chosen[j], rank[j]
             want = num_logprobs[i]
             tops[i] = list(zip(top_ids[j][:want], top_vals[j][:want]))
-        return logprobs, tops
+        return logprobs, ranks, tops
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
@@ -278,8 +282,8 @@ def bias_and_bans(rows: list[int], params: list[SamplingParams], output_index: l
 
 
 def _top_by_id(lp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The top ``k`` of ``lp`` ``[rows, vocab]`` by value, equal values by token id, so a tie cut at
-    the k-th value lists its lowest ids. topk leaves both to
+    """The top ``k`` of ``lp`` ``[rows, vocab]`` in the order `_ranks` ranks them: by value, equal
+    values by token id, so a tie cut at the k-th value lists its lowest ids. topk leaves both to
     chance: CPU torch listed three equal logits [100, 300, 7] (a greedy token, the lowest id of a
     tie, listed after tokens equal to it), and took higher ids than others of a tie at the k-th value."""
     if not k:
@@ -295,20 +299,28 @@ def _top_by_id(lp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return vals, torch.where(nth >= 1, tied, ids)
 
 
+def _ranks(lp: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """1-based rank of each row's token ``[rows]`` int64 in ``lp`` ``[rows, vocab]``: 1 + the tokens
+    more likely, and of those equally likely the ones of lower id (the order `_top_by_id` lists).
+    Without ties this is vLLM's rank (it counts a tie as ranked ahead: ``(lp >= chosen).sum()``)."""
+    chosen = lp.gather(1, tokens[:, None])
+    lower = torch.arange(lp.shape[1], device=lp.device)[None, :] < tokens[:, None]
+    return ((lp > chosen) | ((lp == chosen) & lower)).sum(dim=-1) + 1
+
+
 def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int):
     """Log-probabilities of ``targets`` under ``logits``: the prompt-logprobs math (raw logits, as
     the sampler's logprobs).
 
     logits ``[rows, vocab]``; targets ``[rows]`` int64 (the prompt token each row predicts).
-    Returns python lists: logprob ``[rows]``, 1-based rank ``[rows]``, and the top ``k`` (token_id,
-    logprob) pairs per row.
+    Returns python lists: logprob ``[rows]``, 1-based rank ``[rows]`` (`_ranks`), and the top ``k``
+    (token_id, logprob) pairs per row.
     """
     lp = torch.log_softmax(logits.float(), dim=-1)
     chosen = lp.gather(1, targets[:, None])
-    ranks = (lp > chosen).sum(dim=-1) + 1
     top_vals, top_ids = _top_by_id(lp, k)
     tops = [list(zip(ids, vals)) for ids, vals in zip(top_ids.tolist(), top_vals.tolist())]
-    return chosen.squeeze(1).tolist(), ranks.tolist(), tops
+    return chosen.squeeze(1).tolist(), _ranks(lp, targets).tolist(), tops
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:

@@ -38,6 +38,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     log-probability (vLLM; the first prompt token has none). Computed in the prefill's forward, so
     such a request does not reuse prefix-cache blocks (a cached block has no fresh logits).
     n: completions per prompt; use_beam_search/length_penalty/early_stopping: beam search.
+    detokenize: False returns token ids without text (vLLM): text "" and no decoded tokens in the
+    offline API's logprobs; stop strings need it.
     """
 
     temperature: float = 1.0
@@ -58,6 +60,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     logit_bias: dict[int, float] = {}
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    detokenize: bool = True
     n: int = 1
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -127,6 +130,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
             bad("stop", f"at most {max_stop} stop strings (--max-stop), got {len(self.stop)}")
         if any(not s for s in self.stop):
             bad("stop", "stop strings must be non-empty")
+        if self.stop and not self.detokenize:
+            bad("stop", "stop strings are matched in the text, so they need detokenize=True")
         if self.n < 1 or self.n > max_n:
             bad("n", f"must be between 1 and {max_n} (--max-n), got {self.n}")
         if self.use_beam_search and self.n < 1:

@@ -149,3 +149,17 @@ class IncrementalDetokenizer:
         out = self.output_text[self._sent:end]
         self._sent = end
         return out
+
+
+class NoDetokenizer:
+    """`IncrementalDetokenizer`'s stand-in for a ``detokenize=False`` request (vLLM): no text, and no
+    stop string (`SamplingParams.validate` refuses them without detokenize)."""
+
+    stopped = False
+    stop_reason = None
+
+    def append(self, token_id: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""

@@ -30,11 +30,11 @@ from pagedkv.common.sampling_params import BeamSearchParams, SamplingParams
 class Logprob:
     """One token's log-probability (natural log); ``rank`` its 1-based rank in the model's
     distribution (as vLLM: 1 + the tokens more likely; of equally likely ones, those of lower id
-    rank first); ``decoded_token`` its text."""
+    rank first); ``decoded_token`` its text (None with ``detokenize=False``)."""
 
     logprob: float
     rank: int | None
-    decoded_token: str
+    decoded_token: str | None
 
 
 @dataclass
@@ -283,12 +283,13 @@ def _shutdown(loop: asyncio.AbstractEventLoop, thread: threading.Thread, engine_
     _stop_loop(loop, thread)
 
 
-def _logprob_dict(tokenizer, lp) -> dict[int, Logprob]:
+def _logprob_dict(tokenizer, lp, detokenize: bool) -> dict[int, Logprob]:
     """vLLM's per-position dict of a `TokenLogprob`: the token itself, first when it is not among
-    the top alternatives, and those (ranked by their place)."""
-    d = {t: Logprob(v, rank, s) for rank, (t, s, v) in enumerate(lp.top_logprobs, start=1)}
+    the top alternatives, and those (ranked by their place); decoded tokens None without detokenize."""
+    d = {t: Logprob(v, rank, s if detokenize else None) for rank, (t, s, v) in enumerate(lp.top_logprobs, start=1)}
     if lp.token_id not in d:
-        d = {lp.token_id: Logprob(lp.logprob, lp.rank, tokenizer.token_to_str(lp.token_id)), **d}
+        text = tokenizer.token_to_str(lp.token_id) if detokenize else None
+        d = {lp.token_id: Logprob(lp.logprob, lp.rank, text), **d}
     return d
 
 
@@ -322,13 +323,16 @@ async def _collect(engine, rid: str, text: str | None, ids: list[int], params: S
     for i in range(n):
         logprobs = None
         if params.logprobs is not None:
-            logprobs = [_logprob_dict(tok, lp) for lp in lps[i]]
+            logprobs = [_logprob_dict(tok, lp, params.detokenize) for lp in lps[i]]
         cumulative = sum(lp.logprob for lp in lps[i]) if params.logprobs is not None else beam_cum[i]
         outputs.append(CompletionOutput(i, "".join(texts[i]), tokens[i], cumulative, logprobs, finish[i], stop[i]))
     prompt_logprobs = None
     if params.prompt_logprobs is not None and prompt_lps is not None:
+        def text(s: str) -> str | None:
+            return s if params.detokenize else None
+
         prompt_logprobs = [None] + [
-            {lp.token_id: Logprob(lp.logprob, lp.rank, lp.token),
-             **{t: Logprob(v, r, s) for r, (t, s, v) in enumerate(lp.top_logprobs, start=1) if t != lp.token_id}}
+            {lp.token_id: Logprob(lp.logprob, lp.rank, text(lp.token)),
+             **{t: Logprob(v, r, text(s)) for r, (t, s, v) in enumerate(lp.top_logprobs, start=1) if t != lp.token_id}}
             for lp in prompt_lps[1:]]
     return RequestOutput(rid, text, ids, prompt_logprobs, outputs, True, cached, error)

@@ -19,7 +19,7 @@ import msgspec
 from pagedkv.common.protocol import PromptLogprobs, SampledToken
 from pagedkv.common.sampling_params import SamplingParams
 from pagedkv.scheduler.beam_search import BeamSearch
-from pagedkv.scheduler.detokenizer import IncrementalDetokenizer
+from pagedkv.scheduler.detokenizer import IncrementalDetokenizer, NoDetokenizer
 from pagedkv.scheduler.request import Request, RequestStatus
 from pagedkv.scheduler.scheduler import Scheduler
 from pagedkv.scheduler.tokenizer import Tokenizer
@@ -81,7 +81,7 @@ class RequestStream:
         self.params = params
         self.n = params.n
         self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self.detoks: dict[int, IncrementalDetokenizer] = {}
+        self.detoks: dict[int, IncrementalDetokenizer | NoDetokenizer] = {}
         self.finished: set[int] = set()  # choice indices
         self.members: list[Request] = []  # every sequence ever created for it
         self.beam: BeamSearch | None = None
@@ -162,7 +162,8 @@ class OutputProcessor:
             for req in members:
                 stream.detoks[req.index] = IncrementalDetokenizer(
                     self.tokenizer, req.prompt_token_ids, params.stop, params.skip_special_tokens,
-                    min_tokens=params.min_tokens, include_stop_str_in_output=params.include_stop_str_in_output)
+                    min_tokens=params.min_tokens, include_stop_str_in_output=params.include_stop_str_in_output) \
+                    if params.detokenize else NoDetokenizer()
         if len(members) > 1 and len(prompt_token_ids) > 1:  # siblings fork at the prompt's last token
             members[0].pending_forks = members[1:]
             members = members[:1]
@@ -268,7 +269,8 @@ class OutputProcessor:
         results = search.results()
         stream.num_beam_output_tokens = sum(len(hyp.token_ids) for hyp in results)
         for i, hyp in enumerate(results):
-            detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, [], stream.params.skip_special_tokens)
+            detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, [], stream.params.skip_special_tokens) \
+                if stream.params.detokenize else NoDetokenizer()
             text = "".join(detok.append(t) for t in hyp.token_ids) + detok.flush()
             status = RequestStatus.FINISHED_STOPPED if hyp.ended_with_eos else RequestStatus.FINISHED_LENGTH
             self._send(stream, RequestOutput(stream.request_id, i, hyp.token_ids, text, None, status.finish_reason,

@@ -301,3 +301,24 @@ def test_a_sampled_token_outside_the_top_logprobs_gets_its_rank(llm):
                             SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
     assert ranks == [d[t].rank for t, d in zip(c.token_ids, scored.prompt_logprobs[len(GOLDEN_PROMPT_IDS):])]
     assert sum(r > 1 for r in ranks) >= 10  # many lie outside the top 1
+
+
+def test_detokenize_false_returns_token_ids_without_text_as_vllm(llm):
+    # SamplingParams(detokenize=False), which vLLM V1 takes, was a TypeError (unexpected keyword)
+    from pagedkv import SamplingParams
+
+    [out] = llm.generate(GOLDEN_PROMPT, SamplingParams(temperature=0, max_tokens=60, logprobs=1, prompt_logprobs=1,
+                                                       detokenize=False), use_tqdm=False)
+    c = out.outputs[0]
+    assert (c.token_ids, c.text, c.finish_reason) == (GOLDEN_OUTPUT_IDS, "", "length")
+    assert all(lp.decoded_token is None for d in c.logprobs for lp in d.values())
+    assert all(lp.decoded_token is None for d in out.prompt_logprobs[1:] for lp in d.values())
+    assert c.logprobs[0][432].rank == 1 and out.prompt_token_ids == GOLDEN_PROMPT_IDS
+    [beams] = llm.generate(GOLDEN_PROMPT, SamplingParams(n=2, use_beam_search=True, max_tokens=8, detokenize=False),
+                           use_tqdm=False)
+    assert [(b.token_ids[:3], b.text) for b in beams.outputs] == [(GOLDEN_OUTPUT_IDS[:3], "")] * 2
+    with pytest.raises(ValueError, match=re.escape("stop: stop strings are matched in the text, so they need "
+                                                   "detokenize=True")):
+        llm.generate(GOLDEN_PROMPT, SamplingParams(stop=["Lily"], detokenize=False), use_tqdm=False)
+    with pytest.raises(TypeError, match="Unexpected keyword argument 'best_of'"):  # as vLLM V1, which removed it
+        SamplingParams(n=2, best_of=3)

@@ -481,14 +481,17 @@ class _Generation:
             async for out in self.iterators[0]:
                 yield self._record(0, out), out
             return
-        queue: asyncio.Queue = asyncio.Queue()
+        # One slot: a pump holds a delta until the consumer takes the one before, so a slow client's
+        # deltas wait in the engine's queues, merged (`OutputQueue`), not here one per token.
+        queue: asyncio.Queue = asyncio.Queue(maxsize=1)
 
         async def pump(i: int, it: AsyncIterator) -> None:
             try:
                 async for out in it:
-                    queue.put_nowait((i, out))
-            finally:  # the consumer counts ends, whatever way this one ended
-                queue.put_nowait((i, None))
+                    await queue.put((i, out))
+            finally:  # the consumer counts ends, whatever way this one ended; once closed, none is left
+                if not asyncio.current_task().cancelling():
+                    await queue.put((i, None))
 
         self._pumps = [asyncio.create_task(pump(i, it)) for i, it in enumerate(self.iterators)]
         remaining = len(self._pumps)

@@ -356,6 +356,9 @@ class Engine:
                     await self._idle()
                     continue
                 step = sent.popleft()
+                # one loop pass first: a consumer waiting on its request takes the last step's delta before
+                # the next step's merges into it (`OutputQueue`), so one that keeps up gets a delta per step
+                await asyncio.sleep(0)
                 try:
                     result = await self.client.result(step.plan.step_id)
                 except WorkerFailed as e:

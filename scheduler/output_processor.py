@@ -1,6 +1,7 @@
 """Output processing: sampled token ids in, streamed `RequestOutput` deltas out.
 
-For each user request the engine keeps one `RequestStream`: its output queue, the sibling
+For each user request the engine keeps one `RequestStream`: its output queue (`OutputQueue`: a
+delta its consumer has not taken yet absorbs the next one of the same choice), the sibling
 sequences serving its ``n`` choices (n > 1 or beam search), a detokenizer per choice and its
 clocks. `OutputProcessor` turns one step's sampled tokens into deltas: it appends each token,
 detokenizes it (`scheduler.detokenizer`), checks the stop conditions (EOS, stop token ids, stop
@@ -68,6 +69,73 @@ class RequestOutput(msgspec.Struct):
     cumulative_logprob: float | None = None
 
 
+class OutputQueue:
+    """A request's deltas waiting for its consumer, at most one per choice (vLLM V1's
+    RequestOutputCollector): a delta for a choice whose previous one has not been taken yet merges
+    into it (token ids, text and logprobs appended; finish and stop reasons, error and counts from the
+    newer, and a beam's cumulative logprob), so a consumer that reads slowly or not at all holds its output once, not an object per
+    token, and gets fewer, larger deltas when it catches up, their concatenation unchanged.
+
+    Deltas come out in the order their choices' first waiting delta went in. An error delta never
+    merges into the one before it (the API sends an error delta's text nowhere): that one goes out
+    first. A merged delta's text is kept in a few pieces of decreasing length, joined when taken: a
+    long stall costs neither a copy of the whole text per token nor a string per token.
+    """
+
+    def __init__(self):
+        self._waiting: dict[tuple[int, bool], RequestOutput] = {}  # (choice index, is an error) -> delta
+        self._texts: dict[tuple[int, bool], list[str]] = {}  # a merged delta's text pieces
+        self._ready = asyncio.Event()
+
+    def qsize(self) -> int:
+        """The number of deltas waiting (at most two per choice: the last one an error)."""
+        return len(self._waiting)
+
+    def empty(self) -> bool:
+        return not self._waiting
+
+    def put(self, out: RequestOutput) -> None:
+        """Queue one choice's delta, or merge it into the one of that choice still waiting."""
+        key = (out.index, out.finish_reason == "error")
+        waiting = self._waiting.get(key)
+        if waiting is None:
+            self._waiting[key] = out
+            self._ready.set()
+            return
+        texts = self._texts.get(key)
+        if texts is None:  # its first merge: its own lists, the sender's are never changed
+            texts = self._texts[key] = [waiting.text]
+            waiting = self._waiting[key] = msgspec.structs.replace(
+                waiting, token_ids=list(waiting.token_ids),
+                logprobs=None if waiting.logprobs is None else list(waiting.logprobs))
+        texts.append(out.text)
+        while len(texts) > 1 and len(texts[-2]) <= 2 * len(texts[-1]):  # each piece over twice the next:
+            texts[-2:] = [texts[-2] + texts[-1]]  # O(log) pieces, each character copied O(log) times
+        waiting.token_ids += out.token_ids
+        if out.logprobs is not None:
+            if waiting.logprobs is None:
+                waiting.logprobs = []
+            waiting.logprobs += out.logprobs
+        waiting.finish_reason, waiting.stop_reason, waiting.error = out.finish_reason, out.stop_reason, out.error
+        waiting.num_prompt_tokens, waiting.num_output_tokens = out.num_prompt_tokens, out.num_output_tokens
+        waiting.num_cached_tokens = out.num_cached_tokens
+        if out.cumulative_logprob is not None:
+            waiting.cumulative_logprob = out.cumulative_logprob
+        if waiting.prompt_logprobs is None:
+            waiting.prompt_logprobs = out.prompt_logprobs
+
+    async def get(self) -> RequestOutput:
+        """The oldest waiting delta, once there is one."""
+        while not self._waiting:
+            self._ready.clear()
+            await self._ready.wait()
+        key = next(iter(self._waiting))
+        out = self._waiting.pop(key)
+        if (texts := self._texts.pop(key, None)) is not None:
+            out.text = "".join(texts)
+        return out
+
+
 class RequestStream:
     """Engine-side companion of one user request: its output queue, its choices and clocks.
 
@@ -80,7 +148,7 @@ class RequestStream:
         self.request_id = request_id
         self.params = params
         self.n = params.n
-        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.queue = OutputQueue()
         self.detoks: dict[int, IncrementalDetokenizer | NoDetokenizer] = {}
         self.finished: set[int] = set()  # choice indices
         self.members: list[Request] = []  # every sequence ever created for it
@@ -303,7 +371,7 @@ class OutputProcessor:
         (it carries all the choice's tokens so far)."""
         held = stream.held.pop(out.index, None)
         if held is not None and out.finish_reason == "error":  # the API sends an error delta's text nowhere
-            stream.queue.put_nowait(held)
+            stream.queue.put(held)
         elif held is not None:  # never a choice's first delta, so it carries no prompt_logprobs
             logprobs = None if held.logprobs is None and out.logprobs is None else \
                 (held.logprobs or []) + (out.logprobs or [])
@@ -313,7 +381,7 @@ class OutputProcessor:
         if out.finish_reason is None and n < self.stream_interval and n < out.num_output_tokens:
             stream.held[out.index] = out
             return
-        stream.queue.put_nowait(out)
+        stream.queue.put(out)
 
     def forget(self, stream: RequestStream) -> None:
         """Drop a finished request's stream and sequence ids."""

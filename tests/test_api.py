@@ -603,7 +603,7 @@ async def test_a_client_gone_before_the_stream_starts_is_aborted_without_a_serve
 
 async def test_a_client_that_stops_reading_holds_only_its_output_not_its_blocks_or_the_engine(http, base_url):
     # no backpressure reaches the engine (as in vLLM): the request runs to the end at full speed and
-    # frees its blocks; its unread deltas (at most n x max_tokens) wait until the client reads or leaves
+    # frees its blocks; its unread deltas wait, merged (one per choice), until the client reads or leaves
     loop = asyncio.get_running_loop()
     host, port = base_url.removeprefix("http://").split(":")
     sock = socket.socket()

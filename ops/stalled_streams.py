@@ -5,7 +5,7 @@
 
 Starts `pagedkv serve` on the CPU, sends one request to warm it up and reads the control plane's RSS
 (the serve process, not its worker), then opens --streams streamed completions (n, max_tokens,
-logprobs 5, ignore_eos) on raw sockets with a 4 KiB receive buffer and reads nothing: each server
+--logprobs, ignore_eos) on raw sockets with a 4 KiB receive buffer and reads nothing: each server
 write soon waits on a full TCP window while the engine runs the requests to their end. Once no
 request is left running it samples the RSS (the stall), then reads every stream to its end, checks
 that each choice got all its tokens and counts the SSE events, and samples the RSS again.
@@ -82,13 +82,18 @@ async def _read_all(sock: socket.socket) -> bytes:
 
 
 def _count(raw: bytes, n: int) -> tuple[list[int], int]:
-    """Tokens per choice (from the logprobs) and the number of delta events of one stream."""
-    tokens = [0] * n
+    """Tokens per choice (from the logprobs, else the usage chunk's total split evenly, once every choice
+    has its finish reason) and the number of delta events of one stream."""
     events = [json.loads(e) for e in re.findall(rb"data: (\{.*?\})\r?\n\r?\n", raw)]
     deltas = [e for e in events if e["choices"]]
-    for e in deltas:
-        for c in e["choices"]:
-            tokens[c["index"]] += len(c["logprobs"]["tokens"])
+    choices = [c for e in deltas for c in e["choices"]]
+    if choices[0]["logprobs"] is None:
+        finished = sorted(c["index"] for c in choices if c["finish_reason"])
+        total = events[-1]["usage"]["completion_tokens"] if finished == list(range(n)) else 0
+        return [total // n] * n, len(deltas)
+    tokens = [0] * n
+    for c in choices:
+        tokens[c["index"]] += len(c["logprobs"]["tokens"])
     return tokens, len(deltas)
 
 
@@ -110,8 +115,9 @@ async def main_async(args: argparse.Namespace) -> dict:
                 await r.read()
         await asyncio.sleep(1)
         rss_start = _status_mib(proc.pid, "VmRSS")
-        body = json.dumps({"prompt": "Once upon a time", "max_tokens": args.max_tokens, "n": args.n, "logprobs": 5,
-                           "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()
+        body = json.dumps({"prompt": "Once upon a time", "max_tokens": args.max_tokens, "n": args.n,
+                           "logprobs": None if args.logprobs < 0 else args.logprobs, "ignore_eos": True, "stream": True,
+                           "stream_options": {"include_usage": True}}).encode()
         started = time.monotonic()
         socks = [await _open_stalled(port, body) for _ in range(args.streams)]
         await asyncio.sleep(1)  # the requests arrive
@@ -124,7 +130,8 @@ async def main_async(args: argparse.Namespace) -> dict:
         raws = await asyncio.gather(*(_read_all(s) for s in socks))
         await asyncio.sleep(1)
         counts = [_count(raw, args.n) for raw in raws]
-        return {"streams": args.streams, "n": args.n, "max_tokens": args.max_tokens, "requests_seconds": round(seconds, 1),
+        return {"streams": args.streams, "n": args.n, "max_tokens": args.max_tokens, "logprobs": args.logprobs,
+                "requests_seconds": round(seconds, 1),
                 "rss_mib_start": rss_start, "rss_mib_stalled": rss_stalled,
                 "rss_mib_after_reads": _status_mib(proc.pid, "VmRSS"), "rss_mib_peak": _status_mib(proc.pid, "VmHWM"),
                 "all_tokens_received": all(tokens == [args.max_tokens] * args.n for tokens, _ in counts),
@@ -142,6 +149,7 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=20, help="stalled streams, opened at once")
     p.add_argument("--n", type=int, default=16, help="choices per stream")
     p.add_argument("--max-tokens", type=int, default=490, help="tokens per choice (ignore_eos)")
+    p.add_argument("--logprobs", type=int, default=5, help="top alternatives per token; -1: no logprobs")
     p.add_argument("--num-gpu-blocks", type=int, default=None, help="KV pool size (default: profiled)")
     print(json.dumps(asyncio.run(main_async(p.parse_args())), indent=1))
 

@@ -432,13 +432,13 @@ def _model_names(engine) -> set[str]:
 
 
 class _Choice:
-    """What one choice accumulated: text, tokens, logprobs, finish reason."""
+    """What one choice accumulated: its text and logprobs (for a whole response only: a stream's go out
+    as they come), its finish reason and output token count."""
 
-    __slots__ = ("text", "token_ids", "logprobs", "finish_reason", "stop_reason", "error", "num_output_tokens")
+    __slots__ = ("text", "logprobs", "finish_reason", "stop_reason", "error", "num_output_tokens")
 
     def __init__(self):
         self.text: list[str] = []
-        self.token_ids: list[int] = []
         self.logprobs: list = []
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
@@ -451,11 +451,15 @@ class _Generation:
 
     Yields (choice index, RequestOutput) with choice index = prompt index * n + output index, as
     OpenAI numbers choices for a batch of prompts. `close` aborts whatever is still running.
+    stream: the caller sends each delta as it comes, so the choices keep no copy of the text and
+    logprobs (a stalled client would otherwise hold them all, sent or not).
     """
 
-    def __init__(self, engine, prompts: list[list[int]], params: SamplingParams, base_id: str, extra: dict):
+    def __init__(self, engine, prompts: list[list[int]], params: SamplingParams, base_id: str, extra: dict,
+                 stream: bool):
         self.engine = engine
         self.n = params.n
+        self.stream = stream
         self.request_ids: list[str] = []
         self.iterators: list[AsyncIterator] = []
         self.prompt_tokens = [len(p) for p in prompts]
@@ -505,10 +509,10 @@ class _Generation:
     def _record(self, prompt_index: int, out) -> int:
         idx = prompt_index * self.n + out.index
         c = self.choices[idx]
-        c.text.append(out.text)
-        c.token_ids.extend(out.token_ids)
-        if out.logprobs:
-            c.logprobs.extend(out.logprobs)
+        if not self.stream:
+            c.text.append(out.text)
+            if out.logprobs:
+                c.logprobs.extend(out.logprobs)
         c.num_output_tokens = out.num_output_tokens
         if out.prompt_logprobs is not None:
             self.prompt_logprobs[prompt_index] = out.prompt_logprobs
@@ -776,7 +780,8 @@ class _API:
         if req.echo:
             prompt_texts = [t if t is not None else engine.tokenizer.decode(ids) for t, ids in zip(prompt_texts, prompts)]
         created = int(time.time())
-        gen = _Generation(engine, prompts, params, request_id, self._extra(req, request) | {"prompt_only": echo_only})
+        gen = _Generation(engine, prompts, params, request_id, self._extra(req, request) | {"prompt_only": echo_only},
+                          req.stream)
         model = engine.served_model_names[0]
         offsets = [0] * len(gen.choices)
 
@@ -841,7 +846,7 @@ class _API:
         try:
             params = _sampling_params(req, engine, max_tokens=max_tokens,
                                       logprobs=(req.top_logprobs or 0) if req.logprobs else None)
-            gen = _Generation(engine, [prompt], params, request_id, self._extra(req, request))
+            gen = _Generation(engine, [prompt], params, request_id, self._extra(req, request), req.stream)
         except APIError as e:  # name the field the client sent
             sent = {"max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else None,
                     "logprobs": "top_logprobs"}.get(e.param)  # chat's logprobs is a bool; the count is top_logprobs

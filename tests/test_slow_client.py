@@ -167,6 +167,9 @@ async def test_an_http_client_that_stalls_then_reads_gets_every_token_in_fewer_e
         ids = {s.request_id for s in streams}
         alive = [o for o in gc.get_objects() if isinstance(o, RequestOutput) and o.request_id in ids]
         assert len(alive) <= num_choices + 1 + (num_prompts + 1 if num_prompts > 1 else 0)
+        # and no logprobs but theirs: nothing already sent is kept
+        unsent = {id(lp) for o in alive for lp in o.logprobs or []}
+        assert {id(o) for o in gc.get_objects() if isinstance(o, TokenLogprob)} == unsent
         raw = b""
         while not raw.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"):
             chunk = await asyncio.wait_for(loop.sock_recv(sock, 2**16), 30)

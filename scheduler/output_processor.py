@@ -72,9 +72,10 @@ class RequestOutput(msgspec.Struct):
 class OutputQueue:
     """A request's deltas waiting for its consumer, at most one per choice (vLLM V1's
     RequestOutputCollector): a delta for a choice whose previous one has not been taken yet merges
-    into it (token ids, text and logprobs appended; finish and stop reasons, error and counts from the
-    newer, and a beam's cumulative logprob), so a consumer that reads slowly or not at all holds its output once, not an object per
-    token, and gets fewer, larger deltas when it catches up, their concatenation unchanged.
+    into it (token ids, text and logprobs appended; finish and stop reasons, error, counts and a
+    beam's cumulative logprob from the newer), so a consumer that reads slowly or not at all holds
+    its output once, not an object per token, and gets fewer, larger deltas when it catches up, their
+    concatenation unchanged.
 
     Deltas come out in the order their choices' first waiting delta went in. An error delta never
     merges into the one before it (the API sends an error delta's text nowhere): that one goes out

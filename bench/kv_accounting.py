@@ -13,8 +13,12 @@ after every engine step (in-process) or by polling ``/kv_cache`` (``--url``):
   the over-reservation of the contiguous baseline, or the unfilled tail of the last block with
   paging). A block shared by several requests counts once, each slot in its best class.
 - external fragmentation = free slots in free runs shorter than the blocks the head of the
-  waiting queue needs to be admitted (0 when nothing waits; 0 with paging by construction, since
-  paging needs one block at a time from anywhere).
+  waiting queue needs to be admitted, counted while those runs are what keeps it out: the pool has
+  the blocks free but no run of them long enough (then every free slot is in such a run). 0 when
+  nothing waits; 0 when a run fits the head (it waits for the next step, as a request that arrived
+  during this one does in trace-timed replay, or for a seat or token budget, not for memory);
+  0 when the free blocks would not hold it even as one run (too little memory, not fragmentation);
+  0 with paging by construction, since paging needs one block at a time from anywhere.
 
 Identities (checked exactly, in integer slots): token_state + reservation + internal = allocated,
 allocated + free = pool, 0 <= external <= free.
@@ -45,8 +49,9 @@ def account_kv(t: float, block_size: int, num_blocks: int, num_free_blocks: int,
                holders: list[tuple[list[int], int, int]], free_runs, head_need_blocks: int,
                running: int, waiting: int) -> KVSample:
     """Classify every slot of the pool. holders: (block table, computed tokens, final tokens) per live
-    request; free_runs: a callable giving the free runs' lengths in blocks (only called when
-    something waits); head_need_blocks: blocks the head of the waiting queue needs (0: none waits).
+    request; free_runs: a callable giving the free runs' lengths in blocks (only called when the
+    head could fit in the free blocks); head_need_blocks: blocks the head of the waiting queue
+    needs (0: none waits).
     """
     bs = block_size
     state = fill = alloc = 0
@@ -67,8 +72,10 @@ def account_kv(t: float, block_size: int, num_blocks: int, num_free_blocks: int,
         state = sum(s for s, _ in per_block.values())
         fill = sum(r for _, r in per_block.values())
     external = 0
-    if head_need_blocks > 1:
-        external = sum(n for n in free_runs() if n < head_need_blocks) * bs
+    if 1 < head_need_blocks <= num_free_blocks:
+        runs = free_runs()
+        if max(runs, default=0) < head_need_blocks:  # enough free blocks, no run long enough
+            external = sum(runs) * bs
     pool = num_blocks * bs
     return KVSample(t, pool, alloc, state, fill - state, alloc - fill, external, pool - alloc, running, waiting)
 

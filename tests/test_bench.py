@@ -11,18 +11,22 @@ import json
 import math
 import random
 import sys
+from types import SimpleNamespace
 
 import pytest
 from aiohttp.test_utils import TestServer
 
 from pagedkv.common.config import EngineConfig
+from pagedkv.common.sampling_params import SamplingParams
 from pagedkv.scheduler.api import build_app
 from pagedkv.bench.replay import (TABLE_HEADER, TraceRow, build_requests, load_trace, markdown_report, percentile,
                                   random_prompt, run_against_url, sse_data, table_row)
 from pagedkv.bench.contiguous_allocator import ContiguousAllocator
-from pagedkv.bench.kv_accounting import account_kv, running_stats, summarize_kv
+from pagedkv.bench.kv_accounting import account_kv, running_stats, sample_engine, summarize_kv
 from pagedkv.scheduler.cli import main
 from pagedkv.scheduler.engine import Engine
+from pagedkv.scheduler.request import Request
+from pagedkv.scheduler.request_queue import FCFSQueue
 
 KV_FIELDS = {"pool", "allocated", "token_state", "reservation", "internal", "external", "free"}
 
@@ -54,8 +58,57 @@ def test_external_fragmentation_is_free_runs_too_short_for_the_waiting_head():
     # 8 free blocks in runs of 3, 3 and 2; the head needs 4 blocks: none can serve it
     s = account_kv(0.0, 2, 10, 8, [([3, 4], 4, 4)], lambda: [3, 3, 2], 4, 1, 1)
     assert s.free == 16 and s.external == 16
-    s = account_kv(0.0, 2, 10, 8, [([3, 4], 4, 4)], lambda: [3, 5], 4, 1, 1)
-    assert s.external == 6  # the run of 5 can; the run of 3 cannot
+
+
+def _contiguous_engine(num_blocks: int, block_size: int, max_model_len: int, held: list[tuple[int, int]],
+                       free: list[int]):
+    """A stand-in engine for `sample_engine`: a contiguous pool with one running request per (prompt,
+    max_tokens) in ``held``, allocated in order from block 0, then those at the indexes in ``free`` freed."""
+    kv = ContiguousAllocator(num_blocks, block_size, max_model_len)
+    reqs = [Request(f"r{i}", [1] * p, SamplingParams(max_tokens=m, ignore_eos=True)) for i, (p, m) in enumerate(held)]
+    for r in reqs:
+        assert kv.allocate_slots(r, r.num_prompt_tokens) is not None
+        r.num_computed_tokens = r.num_prompt_tokens
+    for i in free:
+        kv.free(reqs[i])
+    live = [r for i, r in enumerate(reqs) if i not in free]
+    sched = SimpleNamespace(requests={r.request_id: r for r in live}, running=live, waiting=FCFSQueue())
+    return SimpleNamespace(kv=kv, scheduler=sched, max_model_len=max_model_len)
+
+
+def _wait(engine, prompt_len: int, max_tokens: int) -> None:
+    head = Request("head", [1] * prompt_len, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    engine.scheduler.requests["head"] = head
+    engine.scheduler.waiting.add(head)
+
+
+@pytest.mark.parametrize("head_tokens, external", [
+    (None, 0),   # nothing waits
+    (16, 24),    # 4 blocks: 6 free in runs of 3 and 3, none long enough; 6 x 4 slots kept out by fragmentation
+    (12, 0),     # 3 blocks: either run takes it at the next step; no run keeps it out
+    (32, 0),     # 8 blocks but only 6 free: too little memory, not fragmentation
+    (44, 0),     # 11 blocks, more than the whole pool of 10
+])
+def test_contiguous_external_fragmentation_counts_free_slots_only_when_runs_keep_the_head_out(head_tokens, external):
+    # block_size 4, 10 blocks; three requests hold 3, 4 and 3 blocks, the first and last finish:
+    # free runs [0, 3) and [7, 10), 6 blocks (24 slots), the 4-block run [3, 7) held
+    engine = _contiguous_engine(10, 4, 64, [(8, 4), (9, 7), (8, 4)], free=[0, 2])
+    assert engine.kv.pool.free_runs() == [(0, 3), (7, 3)]
+    if head_tokens is not None:
+        _wait(engine, head_tokens - 1, 1)
+    s = sample_engine(engine, 0.0)
+    assert (s.allocated, s.token_state, s.free, s.external) == (16, 9, 24, external)
+    assert (s.running, s.waiting) == (1, 0 if head_tokens is None else 1)
+
+
+def test_contiguous_external_fragmentation_is_zero_while_a_run_fits_the_head_beside_shorter_runs():
+    # trace-timed replay: a request that arrived during the step waits for the next one, though
+    # the run [5, 10) holds it; the 1-block run [0, 1) keeps nobody out
+    engine = _contiguous_engine(10, 4, 64, [(3, 1), (15, 1), (17, 3)], free=[0, 2])
+    assert engine.kv.pool.free_runs() == [(0, 1), (5, 5)]
+    _wait(engine, 10, 2)  # 12 tokens: 3 blocks
+    s = sample_engine(engine, 0.0)
+    assert (s.allocated, s.free, s.external) == (16, 24, 0)
 
 
 def test_summary_fractions_come_from_slot_totals():

@@ -1,7 +1,7 @@
 """KV token-state accounting: what every slot of the KV pool holds, at one instant.
 
 In token slots (PagedAttention, Kwon et al., SOSP 2023, §3, Fig. 2); `pagedkv bench` samples it
-after every engine step (in-process) or by polling ``/kv_cache`` (``--url``):
+after every engine step and when the engine goes idle (in-process) or by polling ``/kv_cache`` (``--url``):
 
 - pool = num_gpu_blocks x block_size; allocated = slots of blocks held by live requests
   (each physical block once); free = pool - allocated.

@@ -8,13 +8,14 @@ the trace's README prescribes. Arrivals follow the trace's timestamps (times ``-
 Poisson process at ``--request-rate``.
 
 KV token-state accounting (token state, reservation, internal and external fragmentation): see
-`bench.kv_accounting`; it is sampled after every engine step through the engine's step hooks
-(in-process) or by polling ``/kv_cache`` (``--url``). ``--kv-allocator contiguous`` plugs the
-pre-paging baseline (`bench.contiguous_allocator`) into the engine in place of the paged one.
+`bench.kv_accounting`; it is sampled after every engine step and whenever the engine goes idle,
+through the engine's step and idle hooks (in-process), or by polling ``/kv_cache`` (``--url``).
+``--kv-allocator contiguous`` plugs the pre-paging baseline (`bench.contiguous_allocator`) into
+the engine in place of the paged one.
 
 The benchmark is a measurement tool beside the server, not part of it: it drives the engine
-through its public interface (`Engine.start`, `add_request`, ``step_hooks``) and the CLI calls it
-(``pagedkv bench``); nothing in the serving path imports it.
+through its public interface (`Engine.start`, `add_request`, ``step_hooks``, ``idle_hooks``) and
+the CLI calls it (``pagedkv bench``); nothing in the serving path imports it.
 """
 
 from __future__ import annotations
@@ -258,7 +259,7 @@ async def run_in_process(config, requests: list[BenchRequest], *, kv_allocator: 
                          progress: bool = True, desc: str = "bench", account_kv_every_step: bool = True) -> dict:
     """Start an engine with ``config`` (an EngineConfig) and ``kv_allocator``, replay ``requests``, shut it down.
 
-    The KV pool is accounted after every engine step (an engine step hook) unless
+    The KV pool is accounted after every engine step and when the engine goes idle (its hooks) unless
     ``account_kv_every_step`` is False (pure throughput runs). Returns `summarize_run`'s dict plus
     the engine's setup and the samples. Raises ValueError for an unknown allocator.
     """
@@ -273,11 +274,14 @@ async def run_in_process(config, requests: list[BenchRequest], *, kv_allocator: 
         samples: list[KVSample] = []
         clock = {"start": time.perf_counter()}
 
-        def sample(step):  # after the step's tokens are computed, before finished requests free
+        def sample(step=None):  # after a step's tokens are computed (before finished requests free), or idle
             samples.append(sample_engine(engine, time.perf_counter() - clock["start"], output_len))
 
         if account_kv_every_step:
             engine.step_hooks.append(sample)
+            # and when the loop goes idle, finished requests freed: a sample holds until the next one,
+            # so the last step's would otherwise count their blocks through the gap to the next arrival
+            engine.idle_hooks.append(sample)
         rng = random.Random(seed)
         prompts = [random_prompt(rng, r.prompt_len, engine.model_config.vocab_size) for r in requests]
         output_len = {f"bench-{r.index}": r.output_len for r in requests if r.output_len < r.max_tokens}

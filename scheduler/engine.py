@@ -97,6 +97,7 @@ class Engine:
         self.tracer: RequestTracer | None = None
         self.output = OutputProcessor(tokenizer, self.scheduler, self.max_model_len, config.stream_interval)
         self.step_hooks: list[Callable[[ScheduledStep], None]] = []  # called after each step's tokens are computed
+        self.idle_hooks: list[Callable[[], None]] = []  # called each time the loop waits with no step in flight
         self._aborts: set[str] = set()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -353,6 +354,8 @@ class Engine:
                         if not ahead and self.config.async_scheduling:
                             continue  # schedule the next step while this one computes
                 if not sent:
+                    for hook in self.idle_hooks:
+                        hook()
                     await self._idle()
                     continue
                 step = sent.popleft()

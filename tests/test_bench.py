@@ -19,8 +19,8 @@ from aiohttp.test_utils import TestServer
 from pagedkv.common.config import EngineConfig
 from pagedkv.common.sampling_params import SamplingParams
 from pagedkv.scheduler.api import build_app
-from pagedkv.bench.replay import (TABLE_HEADER, TraceRow, build_requests, load_trace, markdown_report, percentile,
-                                  random_prompt, run_against_url, sse_data, table_row)
+from pagedkv.bench.replay import (TABLE_HEADER, BenchRequest, TraceRow, build_requests, load_trace, markdown_report,
+                                  percentile, random_prompt, run_against_url, run_in_process, sse_data, table_row)
 from pagedkv.bench.contiguous_allocator import ContiguousAllocator
 from pagedkv.bench.kv_accounting import account_kv, running_stats, sample_engine, summarize_kv
 from pagedkv.scheduler.cli import main
@@ -130,6 +130,17 @@ def test_kv_fractions_are_weighted_by_time_not_by_step():
     assert kv["utilization"] == 28 / 64 and kv["reservation_frac"] == 36 / 64
     assert kv["allocated_frac_of_pool"] == 64 / 160
     assert kv["slot_totals"]["token_state"] == 20  # the integer per-sample sums stay
+
+
+async def test_the_pool_is_accounted_empty_once_the_engine_goes_idle(stories260k):
+    # each sample holds until the next one: the last one before an idle gap (between trace arrivals)
+    # must show the pool after the finished requests freed, not the step before, or it counts their
+    # blocks as allocated for the whole gap
+    requests = [BenchRequest(0, 0.0, 20, 3, 3), BenchRequest(1, 0.0, 33, 3, 3)]
+    out = await run_in_process(EngineConfig(model=str(stories260k), num_gpu_blocks=16), requests, progress=False)
+    last = out["samples"][-1]
+    assert (last["allocated"], last["free"], last["running"], last["waiting"]) == (0, 256, 0, 0)
+    assert max(s["allocated"] for s in out["samples"]) == 16 * 5  # 20 + 2 and 33 + 2 tokens: 2 + 3 blocks
 
 
 def test_trace_loading_scaling_and_clipping(tmp_path):

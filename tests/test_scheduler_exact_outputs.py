@@ -34,8 +34,9 @@ pool too), with async scheduling on or off and stream intervals above 1. Checked
 `test_scheduler_properties` (random tokens) checks the bookkeeping but cannot check exact outputs
 across preemption, prefix hits, async scheduling and worker restarts; nor stop strings, stop token
 ids and min_tokens ending requests while a step is in flight, aborts aimed at a request in a given
-state, the token budget, or block tables sized exactly. The last test runs such mixes on the real
-worker process and stories260K.
+state, the token budget, or block tables sized exactly. The last two tests run such mixes on the real
+worker process and stories260K, the second with every sampling knob the worker keeps per row
+(penalties, logit bias, min_tokens, top-k / min-p, logprobs, prompt logprobs) and priority admission.
 """
 
 from __future__ import annotations
@@ -593,4 +594,83 @@ async def test_on_the_real_model_every_request_emits_what_it_emits_alone(start, 
         if not engine.output.streams:
             break
         await asyncio.sleep(0.01)
+    assert_all_blocks_free(engine)
+
+
+def knob_workload() -> list[tuple[list[int], SamplingParams, int]]:
+    """(prompt, params, priority): every sampling knob the worker keeps per row, several prompts
+    sharing full blocks of one prefix (block size 8), each request ending in its own way."""
+    base = GOLDEN_PROMPT_IDS + GOLDEN_OUTPUT_IDS
+    return [
+        (base[:20], SamplingParams(temperature=0, max_tokens=40, repetition_penalty=1.3, presence_penalty=0.5,
+                                   frequency_penalty=0.7, logprobs=3), 0),
+        (base[:21], SamplingParams(temperature=1.0, seed=5, n=2, top_k=40, min_p=0.05, max_tokens=36,
+                                   logit_bias={GOLDEN_OUTPUT_IDS[0]: -100.0, 261: 5.0}), 1),
+        (base[:17], SamplingParams(temperature=0, max_tokens=30, min_tokens=12, stop_token_ids=[267, 426],
+                                   logprobs=0), -1),  # 267 is banned as output 3 and ends output 18
+        (base[:25], SamplingParams(temperature=0.8, seed=9, top_p=0.9, max_tokens=24, prompt_logprobs=2,
+                                   logprobs=2), 0),
+        (base[:18], SamplingParams(n=2, use_beam_search=True, max_tokens=16), 2),
+        (base[:24], SamplingParams(temperature=1.2, seed=3, n=3, max_tokens=28, frequency_penalty=1.0,
+                                   presence_penalty=-0.5, top_k=5), -1),
+        (base[:16], SamplingParams(temperature=0, max_tokens=40, stop=[" ball"], include_stop_str_in_output=True), 1),
+        ([1, 403, 407], SamplingParams(temperature=0.7, seed=11, max_tokens=40, min_p=0.2, repetition_penalty=0.8,
+                                       stop_token_ids=[2]), 0),
+    ]
+
+
+async def _full_choices(stream) -> dict:
+    """Per choice: (token ids, text, finish reason, stop reason), the sampled tokens' (id, logprob,
+    top ids, top logprobs), the prompt tokens' (id, logprob, top ids, top logprobs); and the
+    request's cached prompt tokens."""
+    choices, cached = {}, 0
+    async for out in stream:
+        c = choices.setdefault(out.index, [[], "", None, None, [], None])
+        c[0] += out.token_ids
+        c[1] += out.text
+        c[2], c[3] = out.finish_reason, out.stop_reason
+        c[4] += [(lp.token_id, lp.logprob, [t for t, _, _ in lp.top_logprobs], [v for _, _, v in lp.top_logprobs])
+                 for lp in out.logprobs or []]
+        if out.prompt_logprobs is not None:
+            c[5] = [None if lp is None else (lp.token_id, lp.logprob, [t for t, _, _ in lp.top_logprobs],
+                                             [v for _, _, v in lp.top_logprobs]) for lp in out.prompt_logprobs]
+        cached = max(cached, out.num_cached_tokens)
+    return {"choices": choices, "cached": cached}
+
+
+def _assert_logprobs_equal(got: list, want: list) -> None:
+    """Lists of (token id, logprob, top ids, top logprobs) or None: ids exact, logprobs within 1e-4
+    (the batches differ, so do the float sums' orders)."""
+    assert [None if x is None else (x[0], x[2]) for x in got] == [None if x is None else (x[0], x[2]) for x in want]
+    for x, y in zip(got, want):
+        if x is not None:
+            assert [x[1], *x[3]] == pytest.approx([y[1], *y[3]], abs=1e-4)
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+async def test_on_the_real_model_every_sampling_knob_emits_what_it_emits_alone(start, preemption_mode):
+    # Penalties (the worker's per-row prompt masks and output counts, rebuilt on resumption), logit
+    # bias, min_tokens, min_p / top_k / top_p, logprobs and prompt logprobs, beams and n > 1, on a
+    # pool that preempts, with prefix hits, async scheduling, 16-token chunks and priority
+    # admission: each request emits what it emits alone on a large pool.
+    requests = knob_workload()
+    alone = await start(num_gpu_blocks=512, block_size=16, enable_prefix_caching=False, async_scheduling=False)
+    refs = [await _full_choices(alone.add_request(p, sp)) for p, sp, _ in requests]
+    engine = await start(block_size=8, num_gpu_blocks=20, max_num_batched_tokens=16, async_scheduling=True,
+                         preemption_mode=preemption_mode, scheduling_policy="priority", max_num_seqs=8)
+    got = await asyncio.gather(*[_full_choices(engine.add_request(p, sp, priority=prio)) for p, sp, prio in requests])
+    assert [[(len(c[0]), c[2], c[3]) for c in r["choices"].values()] for r in refs] == [
+        [(40, "length", None)], [(36, "length", None)] * 2, [(18, "stop", 267)], [(24, "length", None)],
+        [(16, "length", None)] * 2, [(28, "length", None)] * 3, [(28, "stop", " ball")], [(40, "length", None)]]
+    for (p, sp, _), g, ref in zip(requests, got, refs):
+        assert sorted(g["choices"]) == list(range(sp.n)), sp
+        for i, c in g["choices"].items():
+            r = ref["choices"][i]
+            assert c[:4] == r[:4], (p, sp, i)
+            _assert_logprobs_equal(c[4], r[4])
+            assert (c[5] is None) == (r[5] is None)
+            if c[5] is not None:
+                _assert_logprobs_equal(c[5], r[5])
+    assert engine.scheduler.num_preemptions > 0 and any(g["cached"] for g in got)
+    assert (engine.kv.swap.num_blocks_swapped_out > 0) == (preemption_mode == "swap")
     assert_all_blocks_free(engine)

@@ -52,14 +52,13 @@ class IncrementalDetokenizer:
         context.reverse()
         # A context that decodes with U+FFFD at either end (it starts inside a character, or the prompt,
         # given as token ids, ends inside one) reads differently once output bytes follow it: a byte
-        # fallback decoder turns a whole run of byte tokens into U+FFFD when any of it is invalid, and
-        # a completed character would swallow output text. The output is read without that part.
-        while context and (text := tokenizer.decode(context, skip_special_tokens)) and \
-                _REPLACEMENT_CHAR in (text[0], text[-1]):
-            del context[0 if text[0] == _REPLACEMENT_CHAR else -1]
-        self._ids: list[int] = context
+        # fallback decoder turns a whole run of byte tokens into U+FFFD when any of it is invalid, so
+        # one stray byte can hide a complete "\n" or "é" next to it. The output is read after the
+        # longest clean slice that ends as late as possible (a trailing partial character is cut;
+        # complete characters before it stay).
+        self._ids: list[int] = _clean_slice(tokenizer, context, skip_special_tokens)
         self._prefix_offset = 0
-        self._read_offset = len(context)
+        self._read_offset = len(self._ids)
         self._stop = [s for s in stop if s]
         self._max_stop_len = max((len(s) for s in self._stop), default=0)
         self._min_tokens = min_tokens
@@ -163,3 +162,14 @@ class NoDetokenizer:
 
     def flush(self) -> str:
         return ""
+
+
+def _clean_slice(tokenizer: Tokenizer, ids: list[int], skip_special_tokens: bool) -> list[int]:
+    """The slice ``ids[i:j]`` with the largest ``j``, then the smallest ``i``, whose decode has no U+FFFD
+    at either end (an empty decode counts as clean); [] if none. At most ``_MAX_CONTEXT_TOKENS`` ids, so at most 36 decodes, once per request."""
+    for j in range(len(ids), 0, -1):
+        for i in range(j):
+            text = tokenizer.decode(ids[i:j], skip_special_tokens)
+            if not text or _REPLACEMENT_CHAR not in (text[0], text[-1]):  # "▁" alone decodes to ""
+                return ids[i:j]
+    return []

@@ -161,6 +161,20 @@ def test_prompt_of_token_ids_ending_inside_a_character(tok):
     assert d.output_text == tok.decode(GOLDEN_PROMPT_IDS + out)[len(tok.decode(GOLDEN_PROMPT_IDS)):]
 
 
+@pytest.mark.parametrize("complete, partial", [
+    ([1, 13], [3 + 0xF0]),  # "\n" then the first byte of "😀": one byte run, decoded "��" as a whole
+    ([1, 3 + 0xC3, 3 + 0xA9], [3 + 0xE2, 3 + 0x82]),  # "é" then the first bytes of "€"
+])
+def test_a_partial_character_does_not_hide_the_complete_bytes_before_it(tok, complete, partial):
+    # The context was trimmed from the front while its decode started with U+FFFD, but a byte fallback
+    # decoder marks the whole run invalid for the trailing partial: "\n" was dropped with it and the
+    # output's " t" streamed as "t".
+    deltas, d = stream(tok, complete + partial, [259, 383])
+    expected = tok.decode(complete + [259, 383])[len(tok.decode(complete)):]
+    assert expected == " t there"
+    assert "".join(deltas) == d.output_text == expected
+
+
 def test_special_tokens_are_skipped_without_losing_spaces(tok):
     # The model ends a story with BOS (1); the next story's "▁Once" keeps its space as a full decode does.
     out = [426, 1, 403, 407]

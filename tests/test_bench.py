@@ -494,3 +494,35 @@ def test_kernel_bench_peak_bandwidth_takes_the_most_specific_device_name():
     assert peak("NVIDIA GH200 480GB", None) == 4000.0  # was H200's 4800: "H200" matched first
     assert peak("NVIDIA H200", None) == 4800.0 and peak("NVIDIA H100 80GB HBM3", None) == 3350.0
     assert peak("NVIDIA H100 PCIe", None) == 2000.0 and peak("NVIDIA H200", 1234.0) == 1234.0
+
+
+def test_before_after_runs_each_tree_from_its_own_venv_whatever_pythonpath_names(tmp_path, monkeypatch):
+    """A PYTHONPATH naming this checkout (as a session's setup exports) came before the baseline venv's
+    editable install: the baseline's server and bench ran this tree, and the ratio compared it with itself."""
+    from pathlib import Path
+
+    mod = _ops_module("bench_before_after")
+
+    def tree(name: str, imports: Path) -> Path:  # a venv whose editable install (after PYTHONPATH) names ``imports``
+        root, pkg = tmp_path / name, tmp_path / f"{name}-pkg"
+        (root / ".venv/bin").mkdir(parents=True)
+        pkg.mkdir()
+        (pkg / "pagedkv").symlink_to(imports)
+        (root / ".venv/bin/pagedkv").write_text("")
+        python = root / ".venv/bin/python"
+        python.write_text(f'#!/bin/sh\nPYTHONPATH="${{PYTHONPATH:+$PYTHONPATH:}}{pkg}" exec {sys.executable} "$@"\n')
+        python.chmod(0o755)
+        return root
+
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "pagedkv").symlink_to(mod.HERE)
+    monkeypatch.setenv("PYTHONPATH", str(shadow))
+    base = tree("base", tmp_path / "base")
+    command, env = mod.pagedkv_command(base)
+    assert command == [str(base / ".venv/bin/pagedkv")] and "PYTHONPATH" not in env and env["OMP_NUM_THREADS"]
+    stray = tree("stray", mod.HERE)  # its venv installs another checkout
+    with pytest.raises(RuntimeError, match=rf"^pagedkv run for {stray} imports .*"):
+        mod.pagedkv_command(stray)
+    with pytest.raises(RuntimeError, match="has no .venv/bin/pagedkv"):
+        mod.pagedkv_command(tmp_path / "shadow")

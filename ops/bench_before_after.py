@@ -9,7 +9,8 @@ hits both alike):
 - ``pagedkv serve`` from that tree and this tree's ``pagedkv bench --url`` client replaying the same
   requests over HTTP (streamed /v1/completions): output tokens/s end to end.
 
-Each tree is run with its own virtualenv (``TREE/.venv/bin/pagedkv``). Prints per-repeat values
+Each tree is run with its own virtualenv (``TREE/.venv/bin/pagedkv``, PYTHONPATH dropped), this tree
+without one by this Python; each is checked to import its own ``pagedkv``. Prints per-repeat values
 and median ratios this / baseline.
 
     python ops/bench_before_after.py --baseline /work/wt/base --num-requests 200 --repeats 2
@@ -46,9 +47,32 @@ def _bench_args(args, out: str, name: str) -> list[str]:
             "--output-dir", out, "--name", name, "--load-format", args.load_format]
 
 
-def in_process(tree: Path, args, out: str, name: str) -> dict:
+def pagedkv_command(tree: Path) -> tuple[list[str], dict]:
+    """How to run ``pagedkv`` from ``tree``, and with which environment: the tree's own venv entry point
+    with PYTHONPATH dropped (one naming another checkout would shadow the tree's editable install, and the
+    baseline would silently be this tree); this tree without a venv: this Python, environment as given.
+
+    Raises RuntimeError when ``tree`` has no venv (and is not this tree) or ``pagedkv`` does not import
+    from ``tree`` there."""
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    subprocess.run([str(tree / ".venv/bin/pagedkv"), *_bench_args(args, out, name)], check=True, env=env,
+    venv = tree / ".venv/bin"
+    if (venv / "pagedkv").exists():
+        env.pop("PYTHONPATH", None)
+        python, command = str(venv / "python"), [str(venv / "pagedkv")]
+    elif tree == HERE:
+        python, command = sys.executable, [sys.executable, "-m", "pagedkv.scheduler.cli"]
+    else:
+        raise RuntimeError(f"{tree} has no .venv/bin/pagedkv")
+    found = subprocess.run([python, "-c", "import pagedkv; print(next(iter(pagedkv.__path__)))"], env=env, check=True,
+                           capture_output=True, text=True).stdout.strip()
+    if Path(found).resolve() != tree.resolve():
+        raise RuntimeError(f"pagedkv run for {tree} imports {found}")
+    return command, env
+
+
+def in_process(tree: Path, args, out: str, name: str) -> dict:
+    command, env = pagedkv_command(tree)
+    subprocess.run([*command, *_bench_args(args, out, name)], check=True, env=env,
                    cwd=tree, stdout=subprocess.DEVNULL, timeout=args.timeout)
     run = next(iter(json.loads((Path(out) / f"{name}.json").read_text())["runs"].values()))
     fit = run["step_time_fit"] or {}
@@ -59,8 +83,9 @@ def in_process(tree: Path, args, out: str, name: str) -> dict:
 
 def over_http(tree: Path, args, out: str, name: str) -> dict:
     port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    server = subprocess.Popen([str(tree / ".venv/bin/pagedkv"), "serve", "--model", args.model, "--port", str(port),
+    command, env = pagedkv_command(tree)
+    client, client_env = pagedkv_command(HERE)
+    server = subprocess.Popen([*command, "serve", "--model", args.model, "--port", str(port),
                                "--log-level", "warning", "--load-format", args.load_format], cwd=tree, env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     try:
@@ -73,9 +98,9 @@ def over_http(tree: Path, args, out: str, name: str) -> dict:
                 if time.monotonic() > deadline or server.poll() is not None:
                     raise RuntimeError(f"server from {tree} did not start")
                 time.sleep(1)
-        subprocess.run([str(HERE / ".venv/bin/pagedkv"), *_bench_args(args, out, name), "--url",
-                        f"http://127.0.0.1:{port}", "--poll-interval", "0.5"], check=True, cwd=HERE,
-                       stdout=subprocess.DEVNULL, timeout=args.timeout)
+        subprocess.run([*client, *_bench_args(args, out, name), "--url", f"http://127.0.0.1:{port}",
+                        "--poll-interval", "0.5"], check=True, cwd=HERE, env=client_env, stdout=subprocess.DEVNULL,
+                       timeout=args.timeout)
     finally:
         server.terminate()
         try:

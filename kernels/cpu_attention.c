@@ -343,65 +343,6 @@ static inline __attribute__((always_inline)) f32x8 sum_each(const f32x8 x[8]) {
 #undef PICK
 }
 
-/* One new token at head_dim 8, eight heads per pass with one head per vector lane (num_heads a
- * multiple of 8). At this size a head's K row is one vector: per-head loops pay a horizontal sum
- * per (head, key), and the tile path a transposition of K per KV head, several times the
- * arithmetic. Here each slot's K row gives the eight heads' scores with eight multiplies and one
- * sum_each; the softmax runs across the eight heads at once; each V row is read once for all
- * heads. q, out: [num_heads][8]; scores: [len][8]. */
-static void attend_heads8(
-        const float *restrict q, const void *k_cache, const void *v_cache, int kind, const float *lut,
-        int64_t elem_bytes, const int32_t *table, int64_t len, int num_kv_heads, int group, int block_size,
-        float qk_scale, float v_scale, float *restrict scores, float *restrict row, float *restrict out,
-        const char *then) {
-    const int64_t token_stride = (int64_t)num_kv_heads * 8;
-    const int64_t row_bytes = token_stride * elem_bytes, block_bytes = block_size * row_bytes;
-    const int num_heads = num_kv_heads * group;
-    for (int h0 = 0; h0 < num_heads; h0 += 8) {
-        f32x8 qv[8], acc[8] = {{0}};
-        int at[8];  /* lane i's K/V offset within a slot's row: its KV head's */
-        for (int i = 0; i < 8; i++) {
-            qv[i] = *(const f32x8 *)(q + (h0 + i) * 8) * qk_scale;
-            at[i] = (h0 + i) / group * 8;
-        }
-        f32x8 m = (f32x8){0} + NO_SCORE;
-        for (int64_t first = 0, slot0; first < len; first += block_size) {  /* scores[t][i] = <q_i, k_t> */
-            const char *next;
-            const int n = block_keys(table, first, len, block_size, k_cache, block_bytes, &slot0, &next);
-            if (!next) next = (const char *)v_cache + (int64_t)table[0] * block_bytes;  /* the V pass's first block */
-            for (int j = 0; j < n; j++) {
-                prefetch_row(next + j * row_bytes, row_bytes);
-                const float *k = kv_row(kind, k_cache, (slot0 + j) * token_stride, (int)token_stride, lut, row);
-                f32x8 x[8];
-                for (int i = 0; i < 8; i++) x[i] = qv[i] * *(const f32x8 *)(k + at[i]);
-                const f32x8 s = sum_each(x);
-                *(f32x8 *)(scores + (first + j) * 8) = s;
-                for (int i = 0; i < 8; i++) m[i] = s[i] > m[i] ? s[i] : m[i];
-            }
-        }
-        float sum[8] = {0};
-        for (int64_t t = 0; t < len; t++)
-            for (int i = 0; i < 8; i++) {
-                const float e = exp_nonpositive(scores[t * 8 + i] - m[i]);
-                scores[t * 8 + i] = e;
-                sum[i] += e;
-            }
-        for (int64_t first = 0, slot0; first < len; first += block_size) {  /* acc_i += p[t][i] v_t */
-            const char *next;
-            const int n = block_keys(table, first, len, block_size, v_cache, block_bytes, &slot0, &next);
-            if (!next)  /* after the last V block: this sequence's K again for the next eight heads, or the next sequence's */
-                next = h0 + 8 < num_heads ? (const char *)k_cache + (int64_t)table[0] * block_bytes : then;
-            for (int j = 0; j < n; j++) {
-                if (next) prefetch_row(next + j * row_bytes, row_bytes);
-                const float *v = kv_row(kind, v_cache, (slot0 + j) * token_stride, (int)token_stride, lut, row);
-                const float *p = scores + (first + j) * 8;
-                for (int i = 0; i < 8; i++) acc[i] += p[i] * *(const f32x8 *)(v + at[i]);
-            }
-        }
-        for (int i = 0; i < 8; i++) *(f32x8 *)(out + (h0 + i) * 8) = acc[i] * (v_scale / sum[i]);
-    }
-}
-
 /* y[d][i] = x[i][d]: an 8 x 8 transpose in three rounds of two-source shuffles (unpack, shuffle,
  * 128-bit permute on AVX: 24 instructions). */
 static inline __attribute__((always_inline)) void transpose8(const f32x8 x[8], f32x8 y[8]) {
@@ -421,6 +362,133 @@ static inline __attribute__((always_inline)) void transpose8(const f32x8 x[8], f
         y[4 + j] = PICK(u[j], u[4 + j], 4, 5, 6, 7, 12, 13, 14, 15);
     }
 #undef PICK
+}
+
+#if WIDE == 16
+/* The eight heads' scores <q_i, k> of one K row at head_dim 8 for a group of 2, 4 or 8 query heads
+ * per KV head, without sum_each's fourteen shuffles: vector j holds dimension j of each lane's KV
+ * head in lanes 0-7 and dimension j + 4 in lanes 8-15 (one two-source permute of the row each), so
+ * four multiplies by the queries laid out alike (qd: the scaled queries transposed, dimensions j and
+ * j + 4 side by side) and four adds give the scores. The sums keep sum_each's order, ((d0 + d1) +
+ * (d2 + d3)) + ((d4 + d5) + (d6 + d7)), so the scores are the same bits; the empty asm statements
+ * keep the compiler from contracting a product and a sum into a multiply-add or reordering the sums
+ * (-ffp-contract=fast, -fassociative-math). k: the row from the pass's first KV head on. */
+static inline __attribute__((always_inline)) f32x8 scores_by_dim(const f32xw qd[4], const float *k, const int group) {
+#define AT(i) ((i) / G * 8)
+#define DIM(d) __builtin_shufflevector(lo, hi, AT(0) + d, AT(1) + d, AT(2) + d, AT(3) + d, AT(4) + d, AT(5) + d, \
+                                       AT(6) + d, AT(7) + d, AT(0) + d + 4, AT(1) + d + 4, AT(2) + d + 4,        \
+                                       AT(3) + d + 4, AT(4) + d + 4, AT(5) + d + 4, AT(6) + d + 4, AT(7) + d + 4)
+#define DIMS z[0] = DIM(0), z[1] = DIM(1), z[2] = DIM(2), z[3] = DIM(3)
+    f32xw lo, hi, z[4];
+    if (group == 2) {  /* four KV heads: the row's 32 floats */
+        enum { G = 2 };
+        lo = *(const f32xw *)k, hi = *(const f32xw *)(k + 16);
+        DIMS;
+    } else if (group == 4) {  /* two KV heads: 16 floats */
+        enum { G = 4 };
+        lo = hi = *(const f32xw *)k;
+        DIMS;
+    } else {  /* one: 8 floats (no more read: the row may end there) */
+        enum { G = 8 };
+        const f32x8 row = *(const f32x8 *)k;
+        lo = hi = __builtin_shufflevector(row, row, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
+        DIMS;
+    }
+#undef DIMS
+#undef DIM
+#undef AT
+    for (int j = 0; j < 4; j++) {
+        z[j] *= qd[j];
+        __asm__("" : "+v"(z[j]));
+    }
+    f32xw a = z[0] + z[1], b = z[2] + z[3];
+    __asm__("" : "+v"(a), "+v"(b));
+    const f32xw y = a + b;
+    return __builtin_shufflevector(y, y, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(y, y, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+#endif
+
+/* One new token at head_dim 8, eight heads per pass with one head per vector lane (num_heads a
+ * multiple of 8). At this size a head's K row is one vector: per-head loops pay a horizontal sum
+ * per (head, key), and the tile path a transposition of K per KV head, several times the
+ * arithmetic. Here each slot's K row gives the eight heads' scores with eight multiplies and one
+ * sum_each; the softmax runs across the eight heads at once; each V row is read once for all
+ * heads. q, out: [num_heads][8]; scores: [len][8].
+ * attend_tokens calls it with kind and group known at compile time for float32 pools and groups
+ * dividing 8: then lane i's K/V offset is (i / group) * 8 past the pass's first KV head, an
+ * immediate, and lanes of one KV head share one load (with group and kind runtime values, the
+ * eight offsets lived on the stack: sixteen more loads a key, and two branches on kind per row). */
+static inline __attribute__((always_inline)) void attend_heads8(
+        const float *restrict q, const void *k_cache, const void *v_cache, const int kind, const float *lut,
+        int64_t elem_bytes, const int32_t *table, int64_t len, int num_kv_heads, const int group, int block_size,
+        float qk_scale, float v_scale, float *restrict scores, float *restrict row, float *restrict out,
+        const char *then) {
+    const int64_t token_stride = (int64_t)num_kv_heads * 8;
+    const int64_t row_bytes = token_stride * elem_bytes, block_bytes = block_size * row_bytes;
+    const int num_heads = num_kv_heads * group;
+    for (int h0 = 0; h0 < num_heads; h0 += 8) {
+        f32x8 qv[8], acc[8] = {{0}};
+        /* lane i's K/V offset within a slot's row (its KV head's) is base + at[i] */
+        const int64_t base = 8 % group ? 0 : h0 / group * 8;
+        int at[8];
+        for (int i = 0; i < 8; i++) {
+            qv[i] = *(const f32x8 *)(q + (h0 + i) * 8) * qk_scale;
+            at[i] = 8 % group ? (h0 + i) / group * 8 : i / group * 8;
+        }
+#if WIDE == 16
+        const int by_dim = group == 2 || group == 4 || group == 8;  /* scores_by_dim's cases */
+        f32xw qd[4];
+        if (by_dim) {
+            f32x8 y[8];
+            transpose8(qv, y);
+            for (int j = 0; j < 4; j++) qd[j] = __builtin_shufflevector(y[j], y[j + 4], 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
+                                                                        11, 12, 13, 14, 15);
+        }
+#endif
+        f32x8 m = (f32x8){0} + NO_SCORE;
+        for (int64_t first = 0, slot0; first < len; first += block_size) {  /* scores[t][i] = <q_i, k_t> */
+            const char *next;
+            const int n = block_keys(table, first, len, block_size, k_cache, block_bytes, &slot0, &next);
+            if (!next) next = (const char *)v_cache + (int64_t)table[0] * block_bytes;  /* the V pass's first block */
+            for (int j = 0; j < n; j++) {
+                prefetch_row(next + j * row_bytes, row_bytes);
+                const float *k = kv_row(kind, k_cache, (slot0 + j) * token_stride, (int)token_stride, lut, row) + base;
+                f32x8 s;
+#if WIDE == 16
+                if (by_dim) {
+                    s = scores_by_dim(qd, k, group);
+                } else
+#endif
+                {
+                    f32x8 x[8];
+                    for (int i = 0; i < 8; i++) x[i] = qv[i] * *(const f32x8 *)(k + at[i]);
+                    s = sum_each(x);
+                }
+                *(f32x8 *)(scores + (first + j) * 8) = s;
+                for (int i = 0; i < 8; i++) m[i] = s[i] > m[i] ? s[i] : m[i];
+            }
+        }
+        float sum[8] = {0};
+        for (int64_t t = 0; t < len; t++)
+            for (int i = 0; i < 8; i++) {
+                const float e = exp_nonpositive(scores[t * 8 + i] - m[i]);
+                scores[t * 8 + i] = e;
+                sum[i] += e;
+            }
+        for (int64_t first = 0, slot0; first < len; first += block_size) {  /* acc_i += p[t][i] v_t */
+            const char *next;
+            const int n = block_keys(table, first, len, block_size, v_cache, block_bytes, &slot0, &next);
+            if (!next)  /* after the last V block: this sequence's K again for the next eight heads, or the next sequence's */
+                next = h0 + 8 < num_heads ? (const char *)k_cache + (int64_t)table[0] * block_bytes : then;
+            for (int j = 0; j < n; j++) {
+                if (next) prefetch_row(next + j * row_bytes, row_bytes);
+                const float *v = kv_row(kind, v_cache, (slot0 + j) * token_stride, (int)token_stride, lut, row) + base;
+                const float *p = scores + (first + j) * 8;
+                for (int i = 0; i < 8; i++) acc[i] += p[i] * *(const f32x8 *)(v + at[i]);
+            }
+        }
+        for (int i = 0; i < 8; i++) *(f32x8 *)(out + (h0 + i) * 8) = acc[i] * (v_scale / sum[i]);
+    }
 }
 
 /* Keys per vector in attend_tile8: two in a 512-bit vector (lane 8j + h: key j of the two, head h),
@@ -605,9 +673,17 @@ static inline __attribute__((always_inline)) void attend_tokens(
     const char *then = after >= 0 && after < w->num_blocks
         ? (const char *)w->k_cache + (int64_t)after * w->block_size * w->num_kv_heads * head_dim * elem_bytes : NULL;
     if (j1 - j0 == 1 && head_dim == 8 && w->num_heads % 8 == 0) {
-        attend_heads8(w->q + at, w->k_cache, w->v_cache, w->kv_kind, w->lut, elem_bytes, table, first_len,
-                      w->num_kv_heads, group, w->block_size, qk_scale, w->v_scale, scores, sc->row, w->out + at,
-                      then);
+#define HEADS8(KIND, GROUP) attend_heads8(w->q + at, w->k_cache, w->v_cache, KIND, w->lut, elem_bytes, table, \
+                                          first_len, w->num_kv_heads, GROUP, w->block_size, qk_scale, w->v_scale, \
+                                          scores, sc->row, w->out + at, then)
+        switch (w->kv_kind == KV_F32 ? group : 0) {  /* copies with kind and group fixed, see attend_heads8 */
+            case 1: HEADS8(KV_F32, 1); break;
+            case 2: HEADS8(KV_F32, 2); break;
+            case 4: HEADS8(KV_F32, 4); break;
+            case 8: HEADS8(KV_F32, 8); break;
+            default: HEADS8(w->kv_kind, group);
+        }
+#undef HEADS8
     } else if (head_dim == 8 && w->num_heads % 8 == 0) {
         attend_tile8(w->q + at, (int)(j1 - j0), first_len, w->k_cache, w->v_cache, w->kv_kind, w->lut, table,
                      w->num_kv_heads, group, w->block_size, qk_scale, w->v_scale, sc, w->out + at);

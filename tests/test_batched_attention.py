@@ -343,3 +343,41 @@ def test_a_sequence_with_nan_keys_does_not_reach_the_next_sequence_of_the_kernel
     assert got[:32].isnan().all() and expected[:32].isnan().all()
     assert not got[32:].isnan().any()
     torch.testing.assert_close(got[32:], expected[32:], atol=1e-5, rtol=0)
+
+
+# (heads, KV heads) at head_dim 8: groups 1, 2, 4, 8 take the copies with the group fixed (with
+# AVX-512 groups 2, 4 and 8 take scores_by_dim), 3 the copy with it a runtime value
+DECODE_GROUPS = [(8, 8), (8, 4), (16, 4), (8, 2), (16, 2), (8, 1), (24, 8)]
+
+
+def _decode_outputs_head_dim_8(dtype):
+    """The C kernel's decode outputs at head_dim 8 for each of DECODE_GROUPS, wide scores (q x 3)."""
+    outs = []
+    for seed, (num_heads, num_kv_heads) in enumerate(DECODE_GROUPS):
+        seq_lens = [1, 16, 17, 40, 97, 5]
+        q, k_cache, v_cache, tables, lens, qsl, scale = make_batch([1] * len(seq_lens), seq_lens, num_heads,
+                                                                   num_kv_heads, 8, 16, dtype, seed=seed)
+        outs.append(cpu_kernels.paged_attention(q * 3, k_cache, v_cache, tables, lens, qsl, scale))
+    return outs
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="-mno-avx512f is an x86 compiler flag")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_at_head_dim_8_gives_the_same_bits_with_and_without_avx512(tmp_path, dtype):
+    # With AVX-512, attend_heads8 takes a K row's scores by dimension (scores_by_dim) instead of
+    # sum_each's shuffles; it keeps sum_each's order of sums, so both builds give the same bits.
+    if not cpu_kernels.fused_available(dtype):
+        pytest.skip("no C compiler")
+    torch.save(_decode_outputs_head_dim_8(dtype), tmp_path / "native.pt")
+    marker, cc = tmp_path / "built", tmp_path / "cc"
+    cc.write_text(f'#!/bin/sh\ntouch "{marker}"\nexec "${{REAL_CC:-cc}}" "$@" -mno-avx512f\n')
+    cc.chmod(0o755)
+    env = {**os.environ, "CC": str(cc), "REAL_CC": os.environ.get("CC", "cc"), "PAGEDKV_CACHE_DIR": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    code = (f"import torch, test_batched_attention as t\n"
+            f"native = torch.load({str(tmp_path / 'native.pt')!r})\n"
+            f"built = t._decode_outputs_head_dim_8(torch.{str(dtype).split('.')[1]})\n"
+            f"print([torch.equal(a, b) for a, b in zip(native, built)])\n")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert marker.exists() and run.stdout.strip() == str([True] * len(DECODE_GROUPS))

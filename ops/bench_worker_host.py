@@ -181,12 +181,21 @@ def main() -> None:
     if args.baseline_python or args.baseline_backend:
         trees = {"baseline": (args.baseline_python or sys.executable, args.baseline_backend), **trees}
     runs: dict[str, list[list[dict]]] = {k: [] for k in trees}
+    # Another interpreter must import its own tree: a PYTHONPATH naming this checkout comes before
+    # its venv's site-packages and would make the baseline run this tree.
+    envs = {name: {k: v for k, v in os.environ.items() if k != "PYTHONPATH" or python == sys.executable}
+            for name, (python, _) in trees.items()}
+    for name, (python, _) in trees.items():
+        where = subprocess.run([python, "-c", "import pagedkv; print(list(pagedkv.__path__)[0])"], env=envs[name],
+                               capture_output=True, text=True, check=True, cwd="/tmp").stdout.strip()
+        print(f"{name}: pagedkv from {where}")
     cmd = [str(Path(__file__).resolve()), "--child", "--shapes", args.shapes, "--vocab", str(args.vocab), "--steps", str(args.steps),
            "--block-size", str(args.block_size)] + (["--model", str(Path(args.model).resolve())] if args.model else [])
     for r in range(args.repeats):
         for name, (python, backend) in (trees.items() if r % 2 == 0 else reversed(trees.items())):
             extra = ["--attention-backend", backend] if backend else []
-            out = subprocess.run([python, *cmd, *extra], capture_output=True, text=True, check=True, cwd="/tmp")
+            out = subprocess.run([python, *cmd, *extra], capture_output=True, text=True, check=True, cwd="/tmp",
+                                 env=envs[name])
             runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
     forward = f"real forward of {args.model}" if args.model else f"stub forward, vocab {args.vocab}"
     print(f"worker host CPU ms per decode step (thread time; wall in brackets), {forward}, "

@@ -30,7 +30,6 @@ import random
 import statistics
 import sys
 import time
-import urllib.parse
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -341,122 +340,10 @@ def sse_data(partial: bytes, data: bytes) -> tuple[list[bytes], bytes]:
     return payloads, partial
 
 
-class _StreamedPost(asyncio.Protocol):
-    """One POST on its own HTTP/1.1 connection, its response body parsed in ``data_received``: the
-    complete SSE ``data:`` payloads of each read go to ``on_payloads(payloads, t)`` (t: ``now()`` at
-    that read) at once. aiohttp's streaming reader woke a task per read, a third of this client's CPU
-    on the cores it shares with the server it measures.
-
-    Bodies framed by chunked transfer coding, Content-Length or the connection's close (RFC 9112 §6).
-    ``done`` resolves once the body has ended, or fails with aiohttp.ServerDisconnectedError when the
-    connection ends first (the error aiohttp's client gave). A status other than 200: the body is kept
-    in ``error_body``, not parsed.
-    """
-
-    def __init__(self, request: bytes, on_payloads, now):
-        self.request, self.on_payloads, self.now = request, on_payloads, now
-        self.status: int | None = None
-        self.error_body = bytearray()
-        self.done = asyncio.get_running_loop().create_future()
-        self._head = bytearray()  # the status line and headers, until their blank line
-        self._chunked = False
-        self._length: int | None = None  # Content-Length bytes still to come
-        self._buf = bytearray()  # chunked: read, not decoded yet
-        self._left = 0  # chunked: data bytes left in the current chunk
-        self._partial = b""  # an SSE line cut by a read
-        self._transport = None
-
-    def connection_made(self, transport) -> None:
-        self._transport = transport
-        transport.write(self.request)
-
-    def data_received(self, data: bytes) -> None:
-        if self.done.done():  # what follows the body's end (a last chunk's trailer section)
-            return
-        if self.status is None:
-            self._head += data
-            end = self._head.find(b"\r\n\r\n")
-            if end < 0:
-                return
-            status_line, *headers = bytes(self._head[:end]).decode("latin-1").split("\r\n")
-            self.status = int(status_line.split()[1])
-            for line in headers:
-                name, _, value = line.partition(":")
-                name, value = name.strip().lower(), value.strip().lower()
-                if name == "transfer-encoding":
-                    self._chunked = value.endswith("chunked")
-                elif name == "content-length":
-                    self._length = int(value)
-            data = bytes(self._head[end + 4:])
-            del self._head[:]
-            if not self._chunked and self._length == 0:
-                return self._end()
-        if self._chunked:
-            return self._dechunk(data)
-        if self._length is not None:
-            data = data[:self._length]
-            self._length -= len(data)
-        self._body(data)
-        if self._length == 0:
-            self._end()
-
-    def _dechunk(self, data: bytes) -> None:
-        buf, pieces, i = self._buf, [], 0
-        buf += data
-        while True:
-            if self._left:  # inside a chunk's data
-                piece = buf[i:i + self._left]
-                if not piece:
-                    break
-                pieces.append(piece)
-                i += len(piece)
-                self._left -= len(piece)
-                continue
-            nl = buf.find(b"\r\n", i)  # a chunk's size line, or the empty line after its data
-            if nl < 0:
-                break
-            line, i = buf[i:nl], nl + 2
-            if not line:
-                continue
-            self._left = int(line.split(b";", 1)[0], 16)
-            if self._left == 0:  # the last chunk (its trailer section is not read)
-                self._body(b"".join(pieces))
-                return self._end()
-        del buf[:i]
-        self._body(b"".join(pieces))
-
-    def _body(self, data: bytes) -> None:
-        if not data:
-            return
-        if self.status != 200:
-            self.error_body += data
-            return
-        payloads, self._partial = sse_data(self._partial, data)
-        if payloads:
-            self.on_payloads(payloads, self.now())
-
-    def _end(self) -> None:
-        self._transport.close()
-        if not self.done.done():
-            self.done.set_result(None)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self.done.done():
-            return
-        if exc is None and self.status is not None and not self._chunked and self._length is None:
-            self.done.set_result(None)  # a body that ends with the connection
-            return
-        import aiohttp
-
-        self.done.set_exception(aiohttp.ServerDisconnectedError(f"connection closed mid-response: {exc}"
-                                                                if exc else None))
-
-
 async def run_against_url(url: str, requests: list[BenchRequest], vocab_size: int, *, seed: int = 0,
                           poll_interval: float = 0.05, progress: bool = True, desc: str = "bench",
                           text_tokenizer: str | None = None, api: str = "pagedkv") -> dict:
-    """Replay ``requests`` against a running ``pagedkv serve`` at ``url`` (streamed /v1/completions, each
-    on its own connection, read by `_StreamedPost`; every event is decoded, the output tokens are the usage's).
+    """Replay ``requests`` against a running ``pagedkv serve`` at ``url`` (streamed /v1/completions).
 
     KV accounting polls ``/kv_cache`` every ``poll_interval`` seconds; preemptions are read from
     ``/metrics`` before and after. Raises ConnectionError when no server answers at ``url``, aiohttp.ClientError
@@ -473,11 +360,10 @@ async def run_against_url(url: str, requests: list[BenchRequest], vocab_size: in
 
     url = url.rstrip("/")
     pagedkv = api == "pagedkv"
-    target = urllib.parse.urlsplit(url)
-    port = target.port or (443 if target.scheme == "https" else 80)
-    # the model card, /kv_cache and /metrics; each streamed request opens its own connection (`_StreamedPost`),
-    # so every request of the trace may be open at once
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+    # limit=0: every request of the trace may be open at once (aiohttp's default pool holds 100
+    # connections and would queue the rest client-side, capping the server's concurrency)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
         try:
             async with session.get(f"{url}/v1/models") as r:
                 card = (await r.json())["data"][0]
@@ -513,29 +399,23 @@ async def run_against_url(url: str, requests: list[BenchRequest], vocab_size: in
                 del body["ignore_eos"]
                 body["generation_config"] = json.dumps({"max_new_tokens": req.max_tokens, "do_sample": False,
                                                         "min_new_tokens": req.max_tokens})
-            content = json.dumps(body).encode()
-            request = (f"POST {target.path.rstrip('/')}/v1/completions HTTP/1.1\r\nHost: {target.netloc}\r\n"
-                       f"Content-Type: application/json\r\nContent-Length: {len(content)}\r\n\r\n").encode() + content
-
-            def on_payloads(payloads: list[bytes], t: float) -> None:
-                for payload in payloads:
-                    chunk = _decode_chunk(payload)
-                    if chunk.choices:
-                        rec.token_times.append(t)
-                    if chunk.usage:
-                        rec.output_tokens = chunk.usage["completion_tokens"]
-                        rec.prompt_len = chunk.usage.get("prompt_tokens", rec.prompt_len)
-                        rec.cached_tokens = (chunk.usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-
-            post = _StreamedPost(request, on_payloads, now)
-            try:
-                await asyncio.get_running_loop().create_connection(lambda: post, target.hostname, port,
-                                                                   ssl=target.scheme == "https" or None)
-            except OSError as e:
-                raise aiohttp.ClientOSError(e.errno, e.strerror) from None
-            await post.done
-            if post.status != 200:
-                raise RuntimeError(f"HTTP {post.status}: {post.error_body.decode(errors='replace')[:200]}")
+            async with session.post(f"{url}/v1/completions", json=body) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
+                # whatever has arrived, at once: the client shares the server's cores, and one await
+                # per line of the stream (two per event) was most of its cost
+                partial = b""
+                async for data in r.content.iter_any():
+                    payloads, partial = sse_data(partial, data)
+                    t = now()
+                    for payload in payloads:
+                        chunk = _decode_chunk(payload)
+                        if chunk.choices:
+                            rec.token_times.append(t)
+                        if chunk.usage:
+                            rec.output_tokens = chunk.usage["completion_tokens"]
+                            rec.prompt_len = chunk.usage.get("prompt_tokens", rec.prompt_len)
+                            rec.cached_tokens = (chunk.usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
             rec.finish = now()
 
         poller = asyncio.create_task(poll()) if pagedkv else None

@@ -19,7 +19,7 @@ from aiohttp.test_utils import TestServer
 from pagedkv.common.config import EngineConfig
 from pagedkv.common.sampling_params import SamplingParams
 from pagedkv.scheduler.api import build_app
-from pagedkv.bench.replay import (TABLE_HEADER, _StreamedPost, BenchRequest, TraceRow, build_requests, load_trace, markdown_report,
+from pagedkv.bench.replay import (TABLE_HEADER, BenchRequest, TraceRow, build_requests, load_trace, markdown_report,
                                   percentile, random_prompt, run_against_url, run_in_process, sse_data, table_row)
 from pagedkv.bench.contiguous_allocator import ContiguousAllocator
 from pagedkv.bench.kv_accounting import account_kv, running_stats, sample_engine, summarize_kv
@@ -219,65 +219,6 @@ def test_sse_data_splits_events_across_reads_with_either_line_end():
         second, partial = sse_data(partial, stream[cut:])
         assert first + second == [b'{"a":1}', b'{"b":2}'] and partial == b""
     assert sse_data(b"", b'data: {"a"') == ([], b'data: {"a"')
-
-
-
-class _Transport:
-    def __init__(self):
-        self.sent, self.closed = b"", False
-
-    def write(self, data):
-        self.sent += data
-
-    def close(self):
-        self.closed = True
-
-
-_EVENTS = [b'data: {"choices":[{"text":"a"}]}\n\n', b'data: {"choices":[],"usage":{"completion_tokens":1}}\n\n',
-           b"data: [DONE]\n\n"]
-_PAYLOADS = [b'{"choices":[{"text":"a"}]}', b'{"choices":[],"usage":{"completion_tokens":1}}']
-
-
-def _post(response_parts: list[bytes], lost: Exception | None | bool = False) -> tuple[_StreamedPost, list, _Transport]:
-    got, transport = [], _Transport()
-    post = _StreamedPost(b"POST / HTTP/1.1\r\n\r\n", lambda payloads, t: got.extend(payloads), lambda: 0.0)
-    post.connection_made(transport)
-    for part in response_parts:
-        post.data_received(part)
-    if lost is not False:
-        post.connection_lost(lost)
-    return post, got, transport
-
-
-async def test_streamed_post_reads_every_event_whatever_the_framing_and_the_reads():
-    """The bench client's reader: each event of a chunked, a Content-Length and a close-delimited body,
-    whatever two reads the response arrives in; the request is sent once; a chunked or sized body ends
-    at its last byte, a close-delimited one at the close."""
-    body = b"".join(_EVENTS)
-    chunked = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
-               + b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in _EVENTS) + b"0\r\n\r\n")
-    sized = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body
-    unsized = b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + body
-    for response, lost in ((chunked, False), (sized, False), (unsized, None)):
-        for cut in range(len(response) + 1):
-            post, got, transport = _post([response[:cut], response[cut:]], lost)
-            assert got == _PAYLOADS and post.done.done() and post.done.exception() is None
-            assert transport.sent == b"POST / HTTP/1.1\r\n\r\n" and post.status == 200
-    one_byte_reads, got, _ = _post([bytes([b]) for b in chunked])
-    assert got == _PAYLOADS and one_byte_reads.done.done()
-
-
-async def test_streamed_post_keeps_an_error_body_and_fails_on_a_close_mid_body():
-    import aiohttp
-
-    post, got, transport = _post([b"HTTP/1.1 400 Bad Request\r\nContent-Length: 7\r\n\r\n", b"no such"])
-    assert (post.status, bytes(post.error_body), got, post.done.done(), transport.closed) == (400, b"no such", [],
-                                                                                               True, True)
-    for head in (b"", b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"%x\r\n%s" % (len(_EVENTS[0]), _EVENTS[0]),
-                 b"HTTP/1.1 200 OK\r\nContent-Length: 999\r\n\r\n" + _EVENTS[0]):
-        post, got, _ = _post([head], None)
-        assert isinstance(post.done.exception(), aiohttp.ServerDisconnectedError)
-        assert got == ([_PAYLOADS[0]] if head else [])
 
 
 async def test_bench_against_a_server_polls_kv_cache(stories260k):

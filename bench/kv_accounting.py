@@ -110,7 +110,8 @@ def sample_snapshot(snap: dict, t: float, max_model_len: int) -> KVSample:
     holders = [(r["block_table"], r["num_computed_tokens"],
                 _final_tokens(r["num_prompt_tokens"], r["max_tokens"], max_model_len))
                for r in reqs if r["block_table"] and r["status"] != "swapped"]
-    head = next((r for r in reqs if r["status"] == "waiting"), None)
+    waiting = [r for r in reqs if r["status"] == "waiting"]  # servers before queue_position: arrival order
+    head = min(waiting, key=lambda r: r.get("queue_position") or 0) if waiting else None
     need = 0
     if head is not None:
         need = 1

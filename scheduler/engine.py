@@ -763,10 +763,14 @@ class Engine:
         ]
         snap["num_requests_running"] = len(self.scheduler.running)
         snap["num_requests_waiting"] = len(self.scheduler.waiting)
+        # waiting requests in service order (0 is admitted next): arrival order is not it under the
+        # priority policy, nor for a request preempted by recompute
+        position = {r.request_id: i for i, r in enumerate(self.scheduler.waiting)}
         snap["requests"] = [
             {"id": r.request_id, "status": r.status.value, "num_tokens": r.num_tokens,
              "num_computed_tokens": r.num_computed_tokens, "block_table": list(r.block_table),
-             "num_prompt_tokens": r.num_prompt_tokens, "max_tokens": r.sampling.max_tokens}
+             "num_prompt_tokens": r.num_prompt_tokens, "max_tokens": r.sampling.max_tokens,
+             "queue_position": position.get(r.request_id)}
             for r in self.scheduler.requests.values()
         ]
         return snap

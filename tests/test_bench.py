@@ -22,11 +22,14 @@ from pagedkv.scheduler.api import build_app
 from pagedkv.bench.replay import (TABLE_HEADER, BenchRequest, TraceRow, build_requests, load_trace, markdown_report,
                                   percentile, random_prompt, run_against_url, run_in_process, sse_data, table_row)
 from pagedkv.bench.contiguous_allocator import ContiguousAllocator
-from pagedkv.bench.kv_accounting import account_kv, running_stats, sample_engine, summarize_kv
+from pagedkv.bench.kv_accounting import account_kv, running_stats, sample_engine, sample_snapshot, summarize_kv
 from pagedkv.scheduler.cli import main
 from pagedkv.scheduler.engine import Engine
+from pagedkv.scheduler.kv_cache_manager import KVCacheManager
+from pagedkv.scheduler.preemption import PreemptionPolicy
 from pagedkv.scheduler.request import Request
 from pagedkv.scheduler.request_queue import FCFSQueue
+from pagedkv.scheduler.scheduler import Scheduler
 
 KV_FIELDS = {"pool", "allocated", "token_state", "reservation", "internal", "external", "free"}
 
@@ -467,3 +470,30 @@ def test_before_after_runs_each_tree_from_its_own_venv_whatever_pythonpath_names
         mod.pagedkv_command(stray)
     with pytest.raises(RuntimeError, match="has no .venv/bin/pagedkv"):
         mod.pagedkv_command(tmp_path / "shadow")
+
+
+def test_snapshot_fragmentation_reads_the_head_of_the_queue_not_the_first_arrival():
+    # `--url` accounting: 6 free blocks in runs of 3 and 3 (block_size 4). The first arrival (12 tokens,
+    # 3 blocks) would fit a run, but a later one with higher priority (16 tokens, 4 blocks) is admitted
+    # next and no run holds it: 24 free slots are kept out by fragmentation, not 0.
+    held = {"id": "r1", "status": "running", "num_tokens": 13, "num_computed_tokens": 13, "block_table": [3, 4, 5, 6],
+            "num_prompt_tokens": 9, "max_tokens": 7, "queue_position": None}
+    first = {"id": "r0", "status": "waiting", "num_tokens": 11, "num_computed_tokens": 0, "block_table": [],
+             "num_prompt_tokens": 11, "max_tokens": 1, "queue_position": 1}
+    urgent = {**first, "id": "r2", "num_tokens": 15, "num_prompt_tokens": 15, "queue_position": 0}
+    snap = {"block_size": 4, "num_gpu_blocks": 10, "num_free_blocks": 6, "allocator": "contiguous",
+            "free_runs": [[0, 3], [7, 3]], "requests": [held, first, urgent],
+            "num_requests_running": 1, "num_requests_waiting": 2}
+    assert sample_snapshot(snap, 0.0, 64).external == 24
+    assert sample_snapshot({**snap, "requests": [held, first]}, 0.0, 64).external == 0
+
+
+def test_kv_cache_snapshot_gives_waiting_requests_their_place_in_the_service_order():
+    kv = KVCacheManager(4, 4, enable_prefix_caching=False)
+    sched = Scheduler(kv, 8, 64, PreemptionPolicy("recompute", "priority"))
+    for rid, arrival, priority in [("low", 1.0, 2), ("high", 2.0, 0), ("mid", 1.5, 1)]:
+        sched.add(Request(rid, [1] * 4, SamplingParams(max_tokens=8), arrival_time=arrival, priority=priority))
+    engine = SimpleNamespace(kv=kv, scheduler=sched, config=SimpleNamespace(tensor_parallel_size=1),
+                             kv_cache_dtype="float32", kv_bytes_per_block=0)
+    snap = Engine.kv_cache_snapshot(engine)
+    assert {r["id"]: r["queue_position"] for r in snap["requests"]} == {"low": 2, "high": 0, "mid": 1}

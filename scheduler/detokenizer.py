@@ -166,7 +166,8 @@ class NoDetokenizer:
 
 def _clean_slice(tokenizer: Tokenizer, ids: list[int], skip_special_tokens: bool) -> list[int]:
     """The slice ``ids[i:j]`` with the largest ``j``, then the smallest ``i``, whose decode has no U+FFFD
-    at either end (an empty decode counts as clean); [] if none. At most ``_MAX_CONTEXT_TOKENS`` ids, so at most 36 decodes, once per request."""
+    at either end (an empty decode counts as clean); [] if none. ``ids`` holds at most
+    ``_MAX_CONTEXT_TOKENS`` (8) tokens: at most 36 decodes, once per request, one when it is clean."""
     for j in range(len(ids), 0, -1):
         for i in range(j):
             text = tokenizer.decode(ids[i:j], skip_special_tokens)

@@ -412,8 +412,9 @@ static inline __attribute__((always_inline)) f32x8 scores_by_dim(const f32xw qd[
  * multiple of 8). At this size a head's K row is one vector: per-head loops pay a horizontal sum
  * per (head, key), and the tile path a transposition of K per KV head, several times the
  * arithmetic. Here each slot's K row gives the eight heads' scores with eight multiplies and one
- * sum_each; the softmax runs across the eight heads at once; each V row is read once for all
- * heads. q, out: [num_heads][8]; scores: [len][8].
+ * sum_each (with AVX-512 and a group of 2, 4 or 8: scores_by_dim, the same bits); the softmax runs
+ * across the eight heads at once; each V row is read once for all heads. q, out: [num_heads][8];
+ * scores: [len][8].
  * attend_tokens calls it with kind and group known at compile time for float32 pools and groups
  * dividing 8: then lane i's K/V offset is (i / group) * 8 past the pass's first KV head, an
  * immediate, and lanes of one KV head share one load (with group and kind runtime values, the

@@ -125,7 +125,8 @@ def advise(samples: list[Sample], finished: list[tuple[float, int]], settings: S
         held = [(s.usage * settings.num_gpu_blocks, s.num_running) for s in window if s.num_running]
         mean_blocks = sum(b for b, _ in held) / sum(r for _, r in held) if held else 0.0
     fits = math.floor(settings.num_gpu_blocks / mean_blocks) if mean_blocks else None
-    out["observed"] = {
+    # messages quote these rounded figures, not the raw ones: rounding twice could disagree with them
+    out["observed"] = obs = {
         "window_s": round(elapsed, 3), "num_samples": n, "preemptions": preemptions,
         "preemptions_per_min": round(rate, 2), "mean_usage": round(usage, 4), "mean_waiting": round(waiting, 2),
         "mean_running": round(sum(s.num_running for s in window) / n, 2), "at_cap_fraction": round(at_cap, 3),
@@ -138,7 +139,7 @@ def advise(samples: list[Sample], finished: list[tuple[float, int]], settings: S
         if fits is not None and fits < settings.max_num_seqs:
             flags["--max-num-seqs"] = max(fits, 1)
             parts.append(f"lower --max-num-seqs from {settings.max_num_seqs} to ~{flags['--max-num-seqs']} "
-                         f"(the pool holds that many requests of {mean_blocks:.1f} blocks)")
+                         f"(the pool holds that many requests of {obs['mean_request_blocks']:.1f} blocks)")
         factor = _DTYPE_BYTES.get(settings.kv_cache_dtype, 1)
         if factor > 1:
             flags["--kv-cache-dtype"] = "fp8"
@@ -149,7 +150,8 @@ def advise(samples: list[Sample], finished: list[tuple[float, int]], settings: S
         action = ", or ".join(parts) if parts else "the pool is too small for the longest requests: add memory"
         out["advice"].append({
             "rule": "preemption_pressure", "flags": flags,
-            "message": f"{rate:.0f} preemptions/min ({settings.preemption_mode}) at {usage:.0%} usage: {action}"})
+            "message": f"{obs['preemptions_per_min']:.0f} preemptions/min ({settings.preemption_mode}) at "
+                       f"{obs['mean_usage']:.0%} usage: {action}"})
 
     # not while preempting under pressure: a larger batch would preempt more (the advice would contradict itself)
     if (not out["advice"] and elapsed >= t.low_usage_min_s and usage < t.low_usage and waiting >= t.min_waiting
@@ -160,15 +162,15 @@ def advise(samples: list[Sample], finished: list[tuple[float, int]], settings: S
         if raised > settings.max_num_seqs:
             out["advice"].append({
                 "rule": "underused", "flags": {"--max-num-seqs": raised},
-                "message": f"usage below {t.low_usage:.0%} for {elapsed / 60:.0f} min (mean {usage:.0%}) with "
-                           f"{waiting:.0f} requests waiting at the max_num_seqs cap: raise --max-num-seqs from "
-                           f"{settings.max_num_seqs} to ~{raised}"})
+                "message": f"usage below {t.low_usage:.0%} for {elapsed / 60:.0f} min (mean "
+                           f"{obs['mean_usage']:.0%}) with {obs['mean_waiting']:.0f} requests waiting at the "
+                           f"max_num_seqs cap: raise --max-num-seqs from {settings.max_num_seqs} to ~{raised}"})
 
     if (settings.preemption_mode in ("swap", "auto") and settings.num_cpu_blocks and preemptions
             and cpu_usage >= t.swap_full):
         out["advice"].append({
             "rule": "swap_pool_full", "flags": {"--swap-space": round(settings.swap_space * 2, 3)},
-            "message": f"host swap pool {cpu_usage:.0%} full while preempting: victims that do not fit are "
+            "message": f"host swap pool {obs['mean_cpu_usage']:.0%} full while preempting: victims that do not fit are "
                        f"recomputed; raise --swap-space from {settings.swap_space:g} GiB"})
     return out
 

@@ -127,6 +127,17 @@ def test_full_host_pool_while_swapping_says_raise_swap_space():
     assert rules(advise(hist, [], LLAMA_8B)) == []  # recompute mode: the host pool is not used
 
 
+def test_the_message_gives_the_numbers_that_observed_reports():
+    # 12 preemptions in 1.0007 s: 719.496/min, which observed reports as 719.5 and the message
+    # rounded on its own to 719 (live, this depends on the host's speed: CI once saw 719 against 720)
+    samples = [Sample(1000.0, 0.9, 40, 10, 0, 0.0, 0), Sample(1001.0007, 0.9, 40, 10, 0, 0.0, 12)]
+    out = advise(samples, [], LLAMA_8B)
+    obs = out["observed"]
+    assert obs["preemptions_per_min"] == 719.5
+    (a,) = out["advice"]
+    assert a["message"].startswith("720 preemptions/min (recompute) at 90% usage: ")
+
+
 def test_no_samples_no_advice():
     assert advise([], [], LLAMA_8B)["advice"] == []
 

@@ -55,13 +55,13 @@ __all__ = ["paged_attention", "write_kv_cache", "copy_blocks", "swap_blocks", "r
 # On x86 the attention's loops that the compiler vectorizes itself stay at 256 bits (its explicit
 # 512-bit vectors are untouched): where GCC's tuning prefers 512 (on an AMD EPYC that gcc 12 tunes as
 # znver3), wider vectors reassociated sums, so the AVX-512 build's bits differed from the build
-# without it, and were no faster (24-38 against 20-36 ns a key at 256 x 100, 3 alternations).
+# without it, and were no faster (256 x 100, 3 alternations: 24-38 ns a key at 512 bits, 20-36 at 256).
 _FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=c11", "-pthread"]
 _SOURCE_FLAGS = {"cpu_attention.c": ["-fassociative-math", "-freciprocal-math", "-fno-signed-zeros",
                                      "-fno-trapping-math", "-ffinite-math-only", "-fno-math-errno",
                                      "-ffp-contract=fast"],
                  "cpu_ops.c": ["-fno-math-errno", "-ffp-contract=off"]}  # -fno-math-errno: sqrtf inline
-_X86_FLAGS = {"cpu_attention.c": ["-mprefer-vector-width=256"], "cpu_ops.c": []}  # x86-only options
+_X86_FLAGS = {"cpu_attention.c": ["-mprefer-vector-width=256"]}  # options GCC has only for x86
 # Sequences with up to this many new tokens run in C (the tiles beat the batched GEMMs at 2,048 on
 # every shape of ops/bench_cpu_attention.py: 2.4-15x); longer prefill chunks in batched GEMMs.
 # 2,048 is the default max_num_batched_tokens, so by default every prefill chunk runs in C.
@@ -83,7 +83,7 @@ def _library(source_name: str = "cpu_attention.c") -> ctypes.CDLL | None:
     cc = os.environ.get("CC", "cc")
     flags = _FLAGS + _SOURCE_FLAGS[source_name]
     if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
-        flags += _X86_FLAGS[source_name]
+        flags += _X86_FLAGS.get(source_name, [])
     key = hashlib.sha256(source + " ".join([cc, *flags, _cpu_id()]).encode()).hexdigest()[:16]
     cache_dir = Path(os.environ.get("PAGEDKV_CACHE_DIR", Path.home() / ".cache" / "pagedkv"))
     so = cache_dir / f"{path.stem}-{key}.so"

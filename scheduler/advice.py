@@ -162,7 +162,7 @@ def advise(samples: list[Sample], finished: list[tuple[float, int]], settings: S
         if raised > settings.max_num_seqs:
             out["advice"].append({
                 "rule": "underused", "flags": {"--max-num-seqs": raised},
-                "message": f"usage below {t.low_usage:.0%} for {elapsed / 60:.0f} min (mean "
+                "message": f"usage below {t.low_usage:.0%} for {obs['window_s'] / 60:.0f} min (mean "
                            f"{obs['mean_usage']:.0%}) with {obs['mean_waiting']:.0f} requests waiting at the "
                            f"max_num_seqs cap: raise --max-num-seqs from {settings.max_num_seqs} to ~{raised}"})
 
